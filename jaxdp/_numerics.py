@@ -1,0 +1,112 @@
+"""Log-space numerics shared by the accountants.
+
+Everything here is a pure function of arrays that is safe under ``jit``, ``vmap`` and
+``grad``. Accountants call these inside a float64 scope (see :func:`float64`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+F = TypeVar("F", bound=Callable)
+
+_LOG_2PI_HALF = 0.5 * math.log(2.0 * math.pi)
+
+
+def float64(fn: F) -> F:
+    """Run ``fn`` with 64-bit JAX types enabled, whatever the user's global flag says.
+
+    ``jax.enable_x64(True)`` is a context manager that also works while an outer ``jit``
+    traces the function, so the accountants compute and return float64 even when the
+    caller runs in the default float32 mode.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with jax.enable_x64(True):
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def f64(x) -> jax.Array:
+    """``x`` as a float64 array (call inside a :func:`float64` scope)."""
+    return jnp.asarray(x, dtype=jnp.float64)
+
+
+def log_ndtr(x: jax.Array) -> jax.Array:
+    r"""``log Φ(x)`` for the standard normal CDF, accurate in both tails.
+
+    For :math:`x > -37` it is ``log(erfc(-x/√2)/2)`` (``erfc`` keeps full relative precision
+    there; near :math:`x \gg 0` the log of a value close to 1 is accurate in absolute
+    terms, which is what a log-space sum needs). Below, ``erfc`` underflows and the
+    asymptotic Mills-ratio series
+    :math:`\log Φ(x) = -x^2/2 - \log(-x) - \tfrac12\log 2π + \log(1 - x^{-2} + 3x^{-4} - 15x^{-6} + 105x^{-8})`
+    is used; its relative error at :math:`|x| ≥ 37` is below :math:`945/37^{10} < 10^{-12}`.
+    It is about five times faster than ``jax.scipy.special.log_ndtr`` on CPU, which
+    matters because the fractional-order accountant evaluates it for every series term.
+    """
+    cut = -37.0
+    x_hi = jnp.where(x > cut, x, 0.0)  # double-where: keep the unused branch finite
+    x_lo = jnp.where(x > cut, cut - 1.0, x)
+    hi = jnp.log(0.5 * jax.scipy.special.erfc(-x_hi / math.sqrt(2.0)))
+    z = 1.0 / (x_lo * x_lo)
+    series = 1.0 - z * (1.0 - z * (3.0 - z * (15.0 - 105.0 * z)))
+    lo = -0.5 * x_lo * x_lo - jnp.log(-x_lo) - _LOG_2PI_HALF + jnp.log(series)
+    return jnp.where(x > cut, hi, lo)
+
+
+def log_expm1(x: jax.Array) -> jax.Array:
+    """``log(exp(x) - 1)`` for ``x > 0``, without overflow for large ``x``."""
+    big = x > 30.0
+    x_small = jnp.where(big, 1.0, x)
+    return jnp.where(big, x + jnp.log1p(-jnp.exp(-jnp.where(big, x, 30.0))), jnp.log(jnp.expm1(x_small)))
+
+
+def signed_logsumexp(log_abs: jax.Array, signs: jax.Array, axis: int = -1) -> tuple[jax.Array, jax.Array]:
+    """``log|Σ s_i e^{a_i}|`` and the sign of the sum, along ``axis``.
+
+    Entries with ``log_abs = -inf`` contribute nothing. Returns ``(-inf, 0)`` for an empty
+    (all ``-inf``) sum.
+    """
+    m = jnp.max(log_abs, axis=axis, keepdims=True)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    total = jnp.sum(signs * jnp.exp(log_abs - m_safe), axis=axis)
+    m_safe = jnp.squeeze(m_safe, axis=axis)
+    sign = jnp.sign(total)
+    abs_total = jnp.abs(total)
+    pos = abs_total > 0
+    log_total = jnp.where(pos, m_safe + jnp.log(jnp.where(pos, abs_total, 1.0)), -jnp.inf)
+    return log_total, sign
+
+
+@functools.lru_cache(maxsize=None)
+def crvz_weights(n: int) -> tuple[np.ndarray, float]:
+    r"""Weights of Cohen–Rodriguez Villegas–Zagier acceleration for alternating series.
+
+    For :math:`a_k = \int_0^1 x^k\,dμ(x)` with a positive measure μ (a Hausdorff moment
+    sequence), :math:`S = \sum_{k≥0} (-1)^k a_k` is approximated by
+    :math:`S_n = \sum_{k<n} w_k a_k` with :math:`|S - S_n| ≤ 2S/(3+\sqrt 8)^n ≤ 2a_0/(3+\sqrt 8)^n`.
+
+    Returns ``(w, bound)`` where ``w`` already contains the alternating signs and
+    ``bound = 2/(3+√8)^n`` is the relative error factor to add for a certified upper bound.
+
+    Reference: H. Cohen, F. Rodriguez Villegas, D. Zagier, "Convergence acceleration of
+    alternating series", Experimental Mathematics 9 (2000), Algorithm 1 and Proposition 1.
+    """
+    d = (3.0 + math.sqrt(8.0)) ** n
+    d = (d + 1.0 / d) / 2.0
+    b = -1.0
+    c = -d
+    w = np.zeros(n)
+    for k in range(n):
+        c = b - c
+        w[k] = c / d  # the paper's c_k carry the alternating sign: S_n = Σ c_k a_k / d
+        b = (k + n) * (k - n) * b / ((k + 0.5) * (k + 1.0))
+    return w, 2.0 / (3.0 + math.sqrt(8.0)) ** n

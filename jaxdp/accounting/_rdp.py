@@ -1,0 +1,383 @@
+r"""Rényi DP of the Gaussian and the Poisson-subsampled Gaussian mechanisms.
+
+All functions compute in float64 whatever the global ``jax_enable_x64`` flag, broadcast
+over leading batch axes of ``q`` and ``sigma``, and put the orders on the last axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from scipy import special as _sp
+
+from .. import _validate
+from .._numerics import crvz_weights, f64, float64, log_expm1, log_ndtr, signed_logsumexp
+
+__all__ = ["DEFAULT_ORDERS", "gaussian_rdp", "sampled_gaussian_rdp", "heterogeneous_rdp"]
+
+DEFAULT_ORDERS: np.ndarray = np.array(
+    [1.0 + x / 10.0 for x in range(1, 100)] + list(range(11, 64)) + [128, 256, 512, 1024], dtype=np.float64
+)
+DEFAULT_ORDERS.setflags(write=False)
+"""The 156 orders of dp_accounting's ``RdpAccountant`` default: 1.1, 1.2, …, 10.9, 11, …, 63,
+128, 256, 512, 1024 (so results compare like for like)."""
+
+# Terms of the alternating tail summed by Cohen–Rodriguez Villegas–Zagier acceleration.
+# Its certified relative error is 2/(3+√8)^20 ≈ 1e-15 of the first tail term, and that
+# bound is added to the result, so the fractional-order value is an upper bound.
+_N_TAIL = 20
+# For αq ≤ this, (1-q)^α - 1 + αq is summed as its binomial series (no cancellation).
+_B2_SERIES_MAX_AQ = 0.5
+_B2_TERMS = 32  # k = 2 .. 33: truncation error below (0.5)^34/34! relative
+_CHUNK = 32  # configurations per chunk in large batches
+_NEG = -1e300  # stands for log 0 in masked entries (finite, so gradients stay finite)
+
+
+@float64
+def gaussian_rdp(orders, sigma) -> jax.Array:
+    r"""Rényi DP of the Gaussian mechanism with sensitivity 1: :math:`ε(α) = α / (2σ^2)`.
+
+    Args:
+      orders: Rényi orders α > 1, shape ``(k,)`` (may be traced here).
+      sigma: noise multiplier σ > 0 (noise standard deviation over L2 sensitivity),
+        any shape ``B``.
+
+    Returns:
+      float64 array of shape ``B + (k,)``. Invalid inputs under ``jit`` give NaN.
+
+    References:
+      I. Mironov, "Rényi Differential Privacy", CSF 2017, Proposition 7.
+
+    Examples:
+      >>> import jaxdp
+      >>> [round(float(v), 6) for v in jaxdp.accounting.gaussian_rdp([2.0, 8.0], 2.0)]
+      [0.25, 1.0]
+    """
+    _validate.check_orders("orders", orders)
+    _validate.check_in_range("sigma", sigma, 0.0, math.inf, lo_open=True)
+    orders = f64(orders)
+    sigma = f64(sigma)[..., None]
+    valid = (sigma > 0) & jnp.isfinite(sigma) & jnp.all(orders > 1)
+    return jnp.where(valid, orders / (2.0 * sigma**2), jnp.nan)
+
+
+@dataclasses.dataclass(frozen=True)
+class _IntGroup:
+    positions: np.ndarray  # where these orders sit in the caller's grid
+    alpha: np.ndarray  # (n,)
+    log_comb: np.ndarray  # (n, K): log C(α, k), 0 where masked
+    mask: np.ndarray  # (n, K): 2 ≤ k ≤ α
+    k: np.ndarray  # (K,)
+
+
+@dataclasses.dataclass(frozen=True)
+class _FracPlan:
+    positions: np.ndarray
+    alpha: np.ndarray  # (n,)
+    log_abs_comb: np.ndarray  # (n, I): log |C(α, i)|
+    w_left: np.ndarray  # (n, I): 1 on the head 2 ≤ i < i0, CRVZ weights on the tail, else 0
+    w_right: np.ndarray  # (n, I): 1 on the head 0 ≤ i < i0, CRVZ weights on the tail, else 0
+    i0: np.ndarray  # (n,) first index of the alternating tail, floor(α) + 1
+    # Right series: g(j) is needed at j = α - i = frac(α) + m with m = floor(α) - i. It is
+    # evaluated once per distinct fractional part on a descending integer grid,
+    # j_grid[u, t] = frac_u + (m_max - t), and each order reads a contiguous slice
+    # (static slicing; a gather is several times slower on CPU). frac_u + m and α - i round
+    # the same real number, so the values are identical to evaluating at α - i.
+    j_grid: np.ndarray  # (U, T)
+    frac_index: np.ndarray  # (n,) row of j_grid for each order
+    slice_start: np.ndarray  # (n,) first column for each order
+    b2_coef: np.ndarray  # (n, _B2_TERMS): C(α, k) (-1)^k for k = 2, 3, ...
+    tail_bound: float
+    n_i: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    n_orders: int
+    int_groups: tuple[_IntGroup, ...]
+    frac: _FracPlan | None
+    max_int: int
+
+
+def _log_abs_comb(alpha: np.ndarray, i: np.ndarray) -> np.ndarray:
+    """log |C(α, i)| via log-gamma (gammaln returns log|Γ| for negative non-integers)."""
+    return _sp.gammaln(alpha + 1.0) - _sp.gammaln(i + 1.0) - _sp.gammaln(alpha - i + 1.0)
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(orders_key: tuple[float, ...]) -> _Plan:
+    orders = np.asarray(orders_key, dtype=np.float64)
+    is_int = orders == np.floor(orders)
+    groups = []
+    int_pos = np.nonzero(is_int)[0]
+    if int_pos.size:
+        ints = orders[int_pos].astype(np.int64)
+        # Bucket integer orders by powers of two so that padding wastes at most half.
+        bucket = np.floor(np.log2(ints)).astype(np.int64)
+        for b in np.unique(bucket):
+            sel = bucket == b
+            alpha = ints[sel]
+            kmax = int(alpha.max())
+            k = np.arange(kmax + 1)
+            mask = (k[None, :] >= 2) & (k[None, :] <= alpha[:, None])
+            with np.errstate(all="ignore"):
+                lc = _log_abs_comb(alpha[:, None].astype(np.float64), k[None, :].astype(np.float64))
+            lc = np.where(mask, lc, 0.0)
+            groups.append(_IntGroup(int_pos[sel], alpha.astype(np.float64), lc, mask, k.astype(np.float64)))
+    frac = None
+    frac_pos = np.nonzero(~is_int)[0]
+    if frac_pos.size:
+        alpha = orders[frac_pos]
+        i0 = np.floor(alpha).astype(np.int64) + 1
+        n_i = int(i0.max()) + _N_TAIL
+        i = np.arange(n_i)
+        w_tail, bound = crvz_weights(_N_TAIL)
+        rel = i[None, :] - i0[:, None]
+        in_tail = (rel >= 0) & (rel < _N_TAIL)
+        tail_w = np.where(in_tail, w_tail[np.clip(rel, 0, _N_TAIL - 1)], 0.0)
+        w_left = np.where((i[None, :] >= 2) & (rel < 0), 1.0, tail_w)
+        w_right = np.where(rel < 0, 1.0, tail_w)
+        lac = _log_abs_comb(alpha[:, None], i[None, :].astype(np.float64))
+        used = (w_left != 0) | (w_right != 0)
+        lac = np.where(used, lac, 0.0)
+        a_int = np.floor(alpha)
+        frac_part = alpha - a_int  # exact (Sterbenz)
+        fu, frac_index = np.unique(frac_part, return_inverse=True)
+        m_max = int(a_int.max())
+        m_min = int((a_int - (n_i - 1)).min())
+        t = np.arange(m_max - m_min + 1)
+        j_grid = fu[:, None] + (m_max - t)[None, :].astype(np.float64)
+        slice_start = (m_max - a_int).astype(np.int64)
+        kk = np.arange(2, 2 + _B2_TERMS, dtype=np.float64)
+        b2 = np.exp(_log_abs_comb(alpha[:, None], kk[None, :]))
+        sign = np.sign(_sp.binom(alpha[:, None], kk[None, :])) * (-1.0) ** kk[None, :]
+        frac = _FracPlan(
+            positions=frac_pos,
+            alpha=alpha,
+            log_abs_comb=lac,
+            w_left=w_left,
+            w_right=w_right,
+            i0=i0,
+            j_grid=j_grid,
+            frac_index=frac_index.astype(np.int64),
+            slice_start=slice_start,
+            b2_coef=sign * b2,
+            tail_bound=bound,
+            n_i=n_i,
+        )
+    max_int = int(max((g.alpha.max() for g in groups), default=0))
+    return _Plan(len(orders), tuple(groups), frac, max_int)
+
+
+def _log_am1_integer(g: _IntGroup, log_q, log_1mq, log_expm1_k):
+    """log(A_α - 1) for integer α: log Σ_{k=2}^{α} C(α,k) q^k (1-q)^{α-k} (e^{(k²-k)/(2σ²)} - 1).
+
+    Every term is positive, so the sum has no cancellation at any q (the k = 0, 1 terms of
+    A_α cancel the 1 exactly, since Σ_k C(α,k) q^k (1-q)^{α-k} = 1).
+    """
+    k = g.k
+    n_k = k.shape[0]
+    le = log_expm1_k[..., None, :n_k]  # (..., 1, K)
+    lc = np.where(g.mask, g.log_comb, _NEG)  # masked entries ≈ log 0 (finite: safe gradients)
+    t = lc + k * log_q[..., None, None] + (g.alpha[:, None] - k) * log_1mq[..., None, None] + le
+    m = jax.lax.stop_gradient(jnp.max(t, axis=-1, keepdims=True))
+    return jnp.log(jnp.sum(jnp.exp(t - m), axis=-1)) + m[..., 0]
+
+
+def _log_am1_fractional(p: _FracPlan, q, log_q, log_1mq, sigma, z0):
+    r"""log(A_α - 1) for fractional α by the split binomial series, made cancellation-free.
+
+    With :math:`Y = e^{(2z-1)/(2σ^2)}` and :math:`z_0 = σ^2 \log(1/q - 1) + 1/2` (where
+    :math:`qY = 1 - q`), :math:`A_α - 1 = E_{z∼N(0,σ^2)}[h(z)]` with
+    :math:`h = (1-q+qY)^α - 1 - αq(Y-1) ≥ 0`. Splitting the integral at :math:`z_0` and
+    expanding the binomial in the ratio that is below 1 on each side (Mironov, Talwar,
+    Zhang 2019, §3.3) gives, for the left part, the terms
+    :math:`C(α,i) q^i (1-q)^{α-i} e^{(i^2-i)/(2σ^2)} Φ((z_0-i)/σ)` and for the right part
+    the same with :math:`i ↔ j = α - i` and :math:`Φ ↔ \bar Φ`. The left i = 0, 1 terms are
+    combined with the subtracted :math:`1 + αq(Y-1)` in closed form (this removes the
+    cancellation that otherwise costs all digits at q = 1e-5), and the alternating tail
+    :math:`i > α` of each series, whose magnitudes are a product of |C(α,i)| (a Beta
+    moment sequence) and a Mills ratio (a Laplace transform), both Hausdorff moment
+    sequences in i, is summed exactly to 1e-15 by Cohen–Villegas–Zagier acceleration;
+    its certified error bound is added, so the result is never below the true value.
+    """
+    alpha = p.alpha
+    n_i = p.n_i
+    i = jnp.arange(n_i, dtype=jnp.float64)
+    inv2s2 = (1.0 / (2.0 * sigma**2))[..., None]
+    lq = log_q[..., None]
+    l1q = log_1mq[..., None]
+    s = sigma[..., None]
+    z = z0[..., None]
+    # Left series, term i: log|C(α,i)| + α log(1-q) + f(i); f is shared by all orders.
+    f = i * (lq - l1q) + (i * i - i) * inv2s2 + log_ndtr((z - i) / s)  # (..., I)
+    lac_l = np.where(p.w_left != 0, p.log_abs_comb, _NEG)  # masked entries ≈ log 0, finite
+    lac_r = np.where(p.w_right != 0, p.log_abs_comb, _NEG)
+    left = lac_l + alpha[:, None] * l1q[..., None] + f[..., None, :]  # (..., n, I)
+    # Right series, term i: log|C(α,i)| + i log(1-q) + g(α - i).
+    jg = p.j_grid  # (U, T)
+    g = jg * lq[..., None] + (jg * jg - jg) * inv2s2[..., None] + log_ndtr((jg - z[..., None]) / s[..., None])
+    g_rows = jnp.stack(
+        [g[..., u, st : st + n_i] for u, st in zip(p.frac_index.tolist(), p.slice_start.tolist())], axis=-2
+    )  # (..., n, I)
+    right = lac_r + i * l1q[..., None] + g_rows
+    log_l, sign_l = signed_logsumexp(left, p.w_left, axis=-1)
+    log_r, sign_r = signed_logsumexp(right, p.w_right, axis=-1)
+    # Certified CRVZ error bounds: bound × (first tail term a_0, at i = i0), for each series.
+    i0 = p.i0
+    lac0 = p.log_abs_comb[np.arange(len(alpha)), i0]
+    first_left = lac0 + alpha * l1q + jnp.take(f, i0, axis=-1)
+    flat = (p.frac_index * g.shape[-1] + p.slice_start + i0).astype(np.int64)
+    g_first = jnp.take(g.reshape(g.shape[:-2] + (-1,)), flat, axis=-1)
+    first_right = lac0 + i0 * l1q + g_first
+    log_bound = math.log(p.tail_bound)
+    # Closed-form pieces (shape (..., n)).
+    qq = q[..., None]
+    aq = alpha * qq
+    log_aq = jnp.log(alpha) + lq
+    zs = z / s
+    zs1 = (z - 1.0) / s
+    # B2 = (1-q)^α - 1 + αq ≥ 0: binomial series when αq is small, else direct.
+    use_series = aq <= _B2_SERIES_MAX_AQ
+    q_ser = jnp.where(use_series, qq, 0.0)
+    horner = jnp.zeros(q_ser.shape)
+    for c in p.b2_coef.T[::-1]:  # Σ_k c_k q^(k-2) by Horner's rule
+        horner = horner * q_ser + c
+    b2 = jnp.where(use_series, qq**2 * horner, jnp.expm1(alpha * l1q) + aq)
+    log_p3 = log_ndtr(zs) + jnp.log(jnp.maximum(b2, 1e-300))
+    log_p4 = log_aq + log_ndtr(zs1) + jnp.log(-jnp.expm1((alpha - 1.0) * l1q))
+    one_m_aq = 1.0 - aq
+    log_p6a = jnp.log(jnp.maximum(jnp.abs(one_m_aq), 1e-300)) + log_ndtr(-zs)
+    log_p6b = log_aq + log_ndtr(-zs1)
+    ones = jnp.ones(log_p3.shape)
+    pieces = jnp.stack(
+        [log_l, log_r, first_left + log_bound, first_right + log_bound, log_p3, log_p4, log_p6a, log_p6b], axis=-1
+    )
+    weights = jnp.stack([sign_l, sign_r, ones, ones, ones, -ones, -jnp.sign(one_m_aq), -ones], axis=-1)
+    log_total, sign = signed_logsumexp(pieces, weights, axis=-1)
+    # A_α - 1 > 0 for 0 < q < 1; a non-positive sum means the value is below the rounding
+    # noise of its pieces and cannot be certified: report +inf rather than a guess.
+    return jnp.where(sign > 0, log_total, jnp.inf)
+
+
+@float64
+def sampled_gaussian_rdp(orders, q, sigma) -> jax.Array:
+    r"""Rényi DP of the Poisson-subsampled Gaussian mechanism, exact at every real order.
+
+    With sampling rate q, noise multiplier σ and add-or-remove-one neighbours,
+
+    .. math::
+        ε(α) = \frac{1}{α-1}\log A_α,\qquad
+        A_α = E_{z∼N(0,σ^2)}\big[\big(1 - q + q\,e^{(2z-1)/(2σ^2)}\big)^α\big],
+
+    which is :math:`D_α(μ\,\|\,μ_0)` for :math:`μ_0 = N(0,σ^2)`, :math:`μ = (1-q)μ_0 + qN(1,σ^2)`,
+    the direction that dominates (Mironov, Talwar, Zhang 2019, Theorem 5).
+
+    * Integer α: :math:`A_α - 1 = \sum_{k=2}^{α} \binom{α}{k} q^k (1-q)^{α-k}(e^{(k^2-k)/(2σ^2)} - 1)`,
+      a sum of positive terms in log space (no cancellation even at q = 1e-9).
+    * Fractional α: the two-sided series of Mironov–Talwar–Zhang §3.3 with the signs kept
+      (so the value is exact, not dp_accounting 0.6.0's sum of absolute values), the
+      alternating tail summed by Cohen–Villegas–Zagier acceleration with its error bound
+      added, and the low-order terms combined in closed form so that the result keeps
+      its relative precision as q → 0. See ``_log_am1_fractional``.
+
+    Both are finite wherever the true value is (no iteration cap returns ``inf``), and
+    agree with 50-digit quadrature of :math:`A_α` to about 1e-12 relative.
+
+    Args:
+      orders: Rényi orders α > 1, a concrete 1-D sequence of length k (static: close over
+        it inside ``jit``). ``DEFAULT_ORDERS`` matches dp_accounting.
+      q: sampling rate in [0, 1], shape broadcastable with ``sigma``.
+      sigma: noise multiplier σ > 0.
+
+    Returns:
+      float64 array of shape ``broadcast(q, sigma).shape + (k,)``: the RDP of one step.
+      Under ``jit``, invalid q or σ give NaN.
+
+    References:
+      I. Mironov, K. Talwar, L. Zhang, "Rényi Differential Privacy of the Sampled Gaussian
+      Mechanism", arXiv:1908.10530 (2019), §3.2 (integer α) and §3.3 (fractional α).
+
+    Examples:
+      >>> import jaxdp, numpy as np
+      >>> r = jaxdp.accounting.sampled_gaussian_rdp([2.0], 0.01, 1.0)
+      >>> bool(np.isclose(r[0], np.log1p(0.01**2 * np.expm1(1.0))))
+      True
+    """
+    orders_np = _validate.concrete_orders(orders)
+    _validate.check_in_range("q", q, 0.0, 1.0)
+    _validate.check_in_range("sigma", sigma, 0.0, math.inf, lo_open=True)
+    plan = _plan(tuple(orders_np.tolist()))
+    q = f64(q)
+    sigma = f64(sigma)
+    q, sigma = jnp.broadcast_arrays(q, sigma)
+    n = q.size
+    if n <= _CHUNK:
+        return _sgm_rdp(plan, orders_np, q, sigma)
+    # Large batches run in chunks that stay in cache (about 1.5x faster on CPU).
+    n_pad = -(-n // _CHUNK) * _CHUNK
+    qf = jnp.pad(q.reshape(-1), (0, n_pad - n), constant_values=0.5)
+    sf = jnp.pad(sigma.reshape(-1), (0, n_pad - n), constant_values=1.0)
+    out = jax.lax.map(lambda a: _sgm_rdp(plan, orders_np, a[0], a[1]), (qf.reshape(-1, _CHUNK), sf.reshape(-1, _CHUNK)))
+    return out.reshape(n_pad, -1)[:n].reshape(q.shape + (plan.n_orders,))
+
+
+def _sgm_rdp(plan: _Plan, orders_np: np.ndarray, q: jax.Array, sigma: jax.Array) -> jax.Array:
+    valid = (q >= 0) & (q <= 1) & (sigma > 0) & jnp.isfinite(sigma)
+    inner = (q > 0) & (q < 1) & valid
+    # Double-where: evaluate the series at harmless values where it is not used, so
+    # gradients at q = 0, q = 1 or at invalid inputs stay finite.
+    qs = jnp.where(inner, q, 0.5)
+    ss = jnp.where(valid, sigma, 1.0)
+    log_q = jnp.log(qs)
+    log_1mq = jnp.log1p(-qs)
+    out = jnp.zeros(q.shape + (plan.n_orders,), dtype=jnp.float64)
+    if plan.int_groups:
+        k_all = jnp.arange(plan.max_int + 1, dtype=jnp.float64)
+        kk = jnp.maximum(k_all * k_all - k_all, 2.0)  # k < 2 is masked out; keep it finite
+        log_expm1_k = log_expm1(kk / (2.0 * ss[..., None] ** 2))
+        for g in plan.int_groups:
+            lam = _log_am1_integer(g, log_q, log_1mq, log_expm1_k)
+            out = out.at[..., g.positions].set(jnp.logaddexp(0.0, lam) / (g.alpha - 1.0))
+    if plan.frac is not None:
+        fp = plan.frac
+        z0 = ss**2 * (log_1mq - log_q) + 0.5
+        lam = _log_am1_fractional(fp, qs, log_q, log_1mq, ss, z0)
+        out = out.at[..., fp.positions].set(jnp.logaddexp(0.0, lam) / (fp.alpha - 1.0))
+    orders_j = jnp.asarray(orders_np)
+    full = orders_j / (2.0 * ss[..., None] ** 2)  # q = 1: the Gaussian mechanism
+    out = jnp.where((q == 1)[..., None], full, out)
+    out = jnp.where((q == 0)[..., None], 0.0, out)
+    return jnp.where(valid[..., None], out, jnp.nan)
+
+
+@float64
+def heterogeneous_rdp(orders, q, sigma, steps) -> jax.Array:
+    r"""RDP of a schedule of segments, composed by summing RDP curves.
+
+    Segment s runs ``steps[s]`` steps of the sampled Gaussian with rate ``q[s]`` and noise
+    multiplier ``sigma[s]``; RDP composes additively (Mironov 2017, Proposition 1):
+    :math:`ε(α) = \sum_s T_s\,ε_{q_s,σ_s}(α)`. The segment axis is the *last* axis of
+    ``q``, ``sigma`` and ``steps`` (after broadcasting); leading axes are batch axes.
+    Step counts are rounded up (a fractional count is charged as the next integer).
+
+    Returns:
+      float64 array ``batch + (k,)``.
+
+    Examples:
+      >>> import jaxdp
+      >>> r = jaxdp.accounting.heterogeneous_rdp([2.0, 4.0], [1.0, 1.0], [1.0, 2.0], [1, 4])
+      >>> [round(float(v), 6) for v in r]
+      [2.0, 4.0]
+    """
+    _validate.check_in_range("steps", steps, 0.0, math.inf)
+    steps_arr = jnp.ceil(f64(steps))
+    per_step = sampled_gaussian_rdp(orders, q, sigma)  # (..., S, k)
+    steps_b = jnp.broadcast_to(steps_arr, per_step.shape[:-1])
+    total = jnp.sum(jnp.where(steps_b[..., None] > 0, steps_b[..., None] * per_step, 0.0), axis=-2)
+    return jnp.where(jnp.all(steps_b >= 0, axis=-1)[..., None], total, jnp.nan)
