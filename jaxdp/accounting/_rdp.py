@@ -312,9 +312,14 @@ def sampled_gaussian_rdp(orders, q, sigma) -> jax.Array:
     orders_np = _validate.concrete_orders(orders)
     _validate.check_in_range("q", q, 0.0, 1.0)
     _validate.check_in_range("sigma", sigma, 0.0, math.inf, lo_open=True)
-    plan = _plan(tuple(orders_np.tolist()))
-    q = f64(q)
-    sigma = f64(sigma)
+    return _sgm_rdp_jit(tuple(orders_np.tolist()), f64(q), f64(sigma))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _sgm_rdp_jit(orders_key: tuple[float, ...], q: jax.Array, sigma: jax.Array) -> jax.Array:
+    # Compiled once per (orders grid, shapes): eager calls then cost one dispatch.
+    plan = _plan(orders_key)
+    orders_np = np.asarray(orders_key, dtype=np.float64)
     q, sigma = jnp.broadcast_arrays(q, sigma)
     n = q.size
     if n <= _CHUNK:
