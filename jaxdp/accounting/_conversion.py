@@ -87,11 +87,22 @@ def rdp_to_epsilon(rdp, orders, delta, *, method: str = "improved") -> EpsilonRe
         formula = r + jnp.log1p(-1.0 / orders) - jnp.log(d * orders) / (orders - 1.0)
         formula = jnp.where(orders > _IMPROVED_MIN_ORDER, formula, jnp.inf)
         eps = jnp.where(d**2 + jnp.expm1(-r) > 0, 0.0, formula)
-    idx = jnp.argmin(jnp.where(jnp.isnan(eps), jnp.inf, eps), axis=-1)
-    best = jnp.take_along_axis(eps, idx[..., None], axis=-1)[..., 0]
+    best, order = _min_and_order(eps, orders)
     best = jnp.maximum(best, 0.0)
     best = jnp.where(jnp.any(bad, axis=-1), jnp.nan, best)
-    return EpsilonResult(best, jnp.take(orders, idx))
+    return EpsilonResult(best, order)
+
+
+def _min_and_order(values, orders):
+    # (min over the last axis, the first order attaining it). Written with min-reductions
+    # rather than argmin, whose variadic reduce fails inside an x64 scope under an outer
+    # float32 jit.
+    v = jnp.where(jnp.isnan(values), jnp.inf, values)
+    best = jnp.min(v, axis=-1)
+    pos = jnp.arange(v.shape[-1], dtype=jnp.float64)
+    first = jnp.min(jnp.where(v == best[..., None], pos, jnp.inf), axis=-1)
+    order = jnp.sum(jnp.where(pos == first[..., None], orders, 0.0), axis=-1)
+    return best, order
 
 
 @float64
@@ -134,8 +145,7 @@ def rdp_to_delta(rdp, orders, epsilon, *, method: str = "improved") -> DeltaResu
         kl = jnp.where(r > 0, 0.5 * jnp.log1p(-jnp.exp(-r_pos)), -jnp.inf)
         ckS = (orders - 1.0) * (r - e + jnp.log1p(-1.0 / orders)) - jnp.log(orders)
         log_delta = jnp.where(orders > _IMPROVED_MIN_ORDER, jnp.minimum(kl, ckS), kl)
-    idx = jnp.argmin(jnp.where(jnp.isnan(log_delta), jnp.inf, log_delta), axis=-1)
-    best = jnp.take_along_axis(log_delta, idx[..., None], axis=-1)[..., 0]
+    best, order = _min_and_order(log_delta, orders)
     delta = jnp.minimum(jnp.exp(best), 1.0)
     delta = jnp.where(jnp.any(bad, axis=-1), jnp.nan, delta)
-    return DeltaResult(delta, jnp.take(orders, idx))
+    return DeltaResult(delta, order)

@@ -138,8 +138,8 @@ def calibrate_sigma(
 
     lo = jnp.full(target.shape, math.log(lo_s))
     hi = jnp.full(target.shape, math.log(hi_s))
-    eps_hi = eps_at(hi)
-    eps_lo = eps_at(lo)
+    ends = eps_at(jnp.stack([lo, hi]))  # both ends in one evaluation
+    eps_lo, eps_hi = ends[0], ends[1]
 
     def body(_, carry):
         lo, hi, eps_hi = carry

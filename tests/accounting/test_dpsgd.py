@@ -1,0 +1,200 @@
+"""DP-SGD ε, conversions and calibration against dp_accounting, the notes and closed forms."""
+
+import math
+
+import dp_accounting
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from dp_accounting.rdp import rdp_privacy_accountant as dpa
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxdp.accounting import (
+    DEFAULT_ORDERS,
+    calibrate_sigma,
+    dpsgd_epsilon,
+    gaussian_rdp,
+    rdp_to_delta,
+    rdp_to_epsilon,
+    sampled_gaussian_rdp,
+    schedule_epsilon,
+)
+
+# One compiled scalar function reused by every property test (no recompilation).
+_eps = jax.jit(lambda q, s, t, d: dpsgd_epsilon(q, s, t, d))
+
+# ε after T steps at δ = 1e-5 from the notes (004 §3.2, "own exact": exact RDP on the default
+# grid with the improved conversion), printed to 10 significant digits.
+NOTES_32 = [
+    (0.01, 1.1, 10000, 5.631992369),
+    (256 / 60000, 1.1, 14040, 2.594363355),
+    (0.001, 0.8, 1000, 1.158904135),
+    (0.01, 2.0, 5000, 1.613129631),
+    (0.05, 1.5, 2000, 8.899048934),
+    (0.01, 4.0, 10000, 1.035490066),
+    (1.0, 5.0, 1, 0.794522033),
+]
+
+
+def test_notes_epsilons():
+    q, s, t, ref = (np.array(c) for c in zip(*NOTES_32))
+    got = np.asarray(dpsgd_epsilon(q, s, t, 1e-5))
+    np.testing.assert_allclose(got, ref, rtol=1e-9)
+
+
+def test_never_above_dp_accounting():
+    """ε ≤ dp_accounting's ε (+1e-9 relative) on a random grid; equal where its RDP is exact."""
+    rng = np.random.default_rng(11)
+    q = 10 ** rng.uniform(-4, -1, 8)
+    s = rng.uniform(0.6, 6.0, 8)
+    t = np.round(10 ** rng.uniform(1, 4.5, 8))
+    got = np.asarray(dpsgd_epsilon(q, s, t, 1e-5))
+    for k in range(8):
+        acc = dp_accounting.rdp.RdpAccountant()
+        acc.compose(dp_accounting.PoissonSampledDpEvent(q[k], dp_accounting.GaussianDpEvent(s[k])), int(t[k]))
+        ref = acc.get_epsilon(1e-5)
+        assert got[k] <= ref * (1 + 1e-9)
+        assert got[k] >= ref * (1 - 2e-3)  # dp_accounting's fractional orders are upper bounds
+
+
+def test_conversions_match_dp_accounting():
+    rng = np.random.default_rng(5)
+    orders = DEFAULT_ORDERS
+    for _ in range(5):
+        rdp = np.sort(rng.uniform(0, 1, orders.size)) * 10 ** rng.uniform(-6, 1)
+        rdp = rdp * orders / orders.max()
+        for delta in (1e-9, 1e-5, 0.3):
+            e, o = dpa.compute_epsilon(orders, rdp, delta)
+            res = rdp_to_epsilon(rdp, orders, delta)
+            assert float(res.epsilon) == pytest.approx(e, rel=1e-12, abs=1e-15)
+            if e > 0:
+                assert float(res.order) == o
+        for eps in (0.0, 0.1, 2.0):
+            d, o = dpa.compute_delta(orders, rdp, eps)
+            res = rdp_to_delta(rdp, orders, eps)
+            assert float(res.delta) == pytest.approx(d, rel=1e-12, abs=1e-300)
+
+
+@pytest.mark.parametrize("sigma", [0.8, 2.0, 10.0])
+def test_classic_conversion_matches_continuous_optimum(sigma):
+    # Plain Gaussian: min over continuous α of α/(2σ²) + log(1/δ)/(α-1) = 1/(2σ²) + √(2 log(1/δ))/σ
+    # (notes 004, Claim 9 identity). A dense grid gives a value just above it.
+    delta = 1e-5
+    orders = np.linspace(1.01, 200, 40000)
+    got = float(rdp_to_epsilon(gaussian_rdp(orders, sigma), orders, delta, method="classic").epsilon)
+    exact = 1 / (2 * sigma**2) + math.sqrt(2 * math.log(1 / delta)) / sigma
+    assert exact <= got <= exact * (1 + 1e-6)
+
+
+def test_schedule_equals_sum_of_segments():
+    e = float(schedule_epsilon([0.01, 0.02], [1.0, 2.0], [1000, 500], 1e-5))
+    acc = dp_accounting.rdp.RdpAccountant()
+    acc.compose(dp_accounting.PoissonSampledDpEvent(0.01, dp_accounting.GaussianDpEvent(1.0)), 1000)
+    acc.compose(dp_accounting.PoissonSampledDpEvent(0.02, dp_accounting.GaussianDpEvent(2.0)), 500)
+    ref = acc.get_epsilon(1e-5)
+    assert ref * (1 - 2e-3) <= e <= ref * (1 + 1e-9)
+
+
+def test_calibrate_meets_target_and_is_smallest():
+    target, q, t, d = 1.0, 256 / 60000, 14040, 1e-5
+    res = calibrate_sigma(target, q, t, d)
+    sigma = float(res.sigma)
+    assert float(dpsgd_epsilon(q, sigma, t, d)) <= target
+    assert float(dpsgd_epsilon(q, sigma * (1 - 1e-9), t, d)) > target * (1 - 1e-12)
+    # dp_accounting (upper-bound fractional orders) calibrates to 2.1785 (notes anchors §4.2).
+    assert 2.17 < sigma <= 2.1785
+
+
+def test_calibrate_vectorised_and_unreachable():
+    res = calibrate_sigma(np.array([0.5, 2.0, 8.0]), np.full(3, 0.01), np.full(3, 1000.0), 1e-5)
+    eps = np.asarray(dpsgd_epsilon(0.01, np.asarray(res.sigma), 1000, 1e-5))
+    assert np.all(eps <= np.array([0.5, 2.0, 8.0]))
+    assert np.all(np.diff(np.asarray(res.sigma)) < 0)
+    # ε = 1e-6 after 10^6 full-batch steps would need σ far above the bracket: +inf, not a guess.
+    res = calibrate_sigma(np.array([1e-6, 1.0, 1.0]), np.array([1.0, 0.01, 0.01]), np.array([1e6, 1000.0, 1000.0]), 1e-5)
+    assert math.isinf(float(res.sigma[0])) and math.isinf(float(res.epsilon[0]))
+
+
+def test_gradients_match_finite_differences():
+    q, s, t, d = 0.01, 1.3, 2000.0, 1e-5
+    grad_s = jax.jit(jax.grad(lambda x, y: dpsgd_epsilon(y, x, t, d)))
+    grad_q = jax.jit(jax.grad(lambda y, x: dpsgd_epsilon(y, x, t, d)))
+    gs, gq = grad_s(s, q), grad_q(q, s)
+    h = 1e-6
+    fd_s = (float(_eps(q, s + h, t, d)) - float(_eps(q, s - h, t, d))) / (2 * h)
+    fd_q = (float(_eps(q + h * q, s, t, d)) - float(_eps(q - h * q, s, t, d))) / (2 * h * q)
+    assert float(gs) == pytest.approx(fd_s, rel=1e-5)
+    assert float(gq) == pytest.approx(fd_q, rel=1e-5)
+    # At the boundaries q = 0 and q = 1 the gradients stay finite.
+    assert np.isfinite(float(grad_q(0.0, s))) and np.isfinite(float(grad_q(1.0, s)))
+    # Jacobian of the raw RDP w.r.t. σ at fractional and integer orders.
+    orders = [1.5, 3.0, 7.7]
+    jac = np.asarray(jax.jacfwd(lambda x: sampled_gaussian_rdp(orders, 0.05, x))(0.9))
+    fd = (np.asarray(sampled_gaussian_rdp(orders, 0.05, 0.9 + h)) - np.asarray(sampled_gaussian_rdp(orders, 0.05, 0.9 - h))) / (2 * h)
+    np.testing.assert_allclose(jac, fd, rtol=1e-5)
+
+
+def test_jit_vmap_and_dtype():
+    q = np.array([1e-3, 0.02, 0.2])
+    s = np.array([0.9, 2.0, 4.0])
+    t = np.array([10.0, 1000.0, 50.0])
+    eager = np.asarray(dpsgd_epsilon(q, s, t, 1e-6))
+    np.testing.assert_allclose(np.asarray(jax.vmap(lambda a, b, c: _eps(a, b, c, 1e-6))(q, s, t)), eager, rtol=1e-13)
+    with jax.enable_x64(False):
+        out = jax.jit(lambda a: dpsgd_epsilon(a, 2.0, 1000.0, 1e-5))(jnp.float32(0.015625))
+    assert out.dtype == np.float64
+    assert float(out) == pytest.approx(float(dpsgd_epsilon(0.015625, 2.0, 1000.0, 1e-5)), rel=1e-14)
+
+
+def test_grid_of_10000_in_one_call():
+    q, s, t = np.meshgrid(np.geomspace(1e-4, 0.1, 25), np.linspace(0.5, 5, 20), np.geomspace(10, 1e5, 20), indexing="ij")
+    eps = np.asarray(dpsgd_epsilon(q, s, t, 1e-5))
+    assert eps.shape == (25, 20, 20) and np.all(np.isfinite(eps)) and np.all(eps >= 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    q=st.floats(1e-5, 1.0),
+    s=st.floats(0.3, 50.0),
+    t=st.integers(1, 100000),
+    d=st.floats(1e-12, 0.5),
+    f=st.floats(1.0001, 3.0),
+)
+def test_monotonicity(q, s, t, d, f):
+    base = float(_eps(q, s, t, d))
+    assert float(_eps(q, s, t * f, d)) >= base * (1 - 1e-12)  # more steps: no less ε
+    assert float(_eps(min(1.0, q * f), s, t, d)) >= base * (1 - 1e-12)  # larger q
+    assert float(_eps(q, s * f, t, d)) <= base * (1 + 1e-12)  # more noise
+    assert float(_eps(q, s, t, min(0.9, d * f))) <= base * (1 + 1e-12)  # larger δ
+
+
+def test_invalid_eager_raise_naming_parameter():
+    for kwargs, name in [
+        (dict(q=0.1, sigma=0.0, steps=10, delta=1e-5), "sigma"),
+        (dict(q=-0.1, sigma=1.0, steps=10, delta=1e-5), "q"),
+        (dict(q=0.1, sigma=1.0, steps=-1, delta=1e-5), "steps"),
+        (dict(q=0.1, sigma=1.0, steps=10, delta=1.0), "delta"),
+        (dict(q=0.1, sigma=1.0, steps=10, delta=0.0), "delta"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            dpsgd_epsilon(**kwargs)
+    with pytest.raises(ValueError, match="epsilon"):
+        rdp_to_delta(np.ones(3), [2.0, 3.0, 4.0], -1.0)
+    with pytest.raises(ValueError, match="orders"):
+        rdp_to_epsilon(np.ones(2), [1.0, 2.0], 1e-5)
+    with pytest.raises(ValueError, match="method"):
+        rdp_to_epsilon(np.ones(2), [1.5, 2.0], 1e-5, method="best")
+    with pytest.raises(ValueError, match="target_epsilon"):
+        calibrate_sigma(0.0, 0.1, 10, 1e-5)
+
+
+def test_invalid_under_jit_never_finite():
+    for args in [(0.1, 0.0, 10.0, 1e-5), (1.2, 1.0, 10.0, 1e-5), (0.1, 1.0, -5.0, 1e-5), (0.1, 1.0, 10.0, 0.0),
+                 (0.1, 1.0, 10.0, 1.5), (0.1, jnp.nan, 10.0, 1e-5), (0.1, -1.0, 10.0, 1e-5)]:
+        assert not np.isfinite(float(_eps(*args)))
+    r = jax.jit(lambda x: rdp_to_epsilon(x, [2.0, 3.0], 1e-5).epsilon)(jnp.array([-1.0, 0.5]))
+    assert np.isnan(float(r))
+    c = jax.jit(lambda e: calibrate_sigma(e, 0.01, 100.0, 1e-5).sigma)(-1.0)
+    assert np.isnan(float(c))
