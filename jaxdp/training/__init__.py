@@ -1,0 +1,35 @@
+"""Private training building blocks: PNSGD as optax transformations, per-example clipping.
+
+The update rules here are the ones the hidden-state accountants analyse
+(``Y ← Π_K(Y − η(g + Z))``); see :func:`pnsgd` for the noise convention.
+"""
+
+from ._clipping import ClippedGrads as ClippedGrads
+from ._clipping import clip_per_example_grads as clip_per_example_grads
+from ._clipping import clipped_grad_sum as clipped_grad_sum
+from ._clipping import fast_path_supported as fast_path_supported
+from ._clipping import per_example_grad_norms as per_example_grad_norms
+from ._clipping import per_example_grads as per_example_grads
+from ._transforms import AddGaussianNoiseState as AddGaussianNoiseState
+from ._transforms import ProjectL2BallState as ProjectL2BallState
+from ._transforms import add_gaussian_noise as add_gaussian_noise
+from ._transforms import pnsgd as pnsgd
+from ._transforms import pnsgd_noise_std as pnsgd_noise_std
+from ._transforms import project_l2_ball as project_l2_ball
+from ._transforms import project_onto_l2_ball as project_onto_l2_ball
+
+__all__ = [
+    "AddGaussianNoiseState",
+    "ClippedGrads",
+    "ProjectL2BallState",
+    "add_gaussian_noise",
+    "clip_per_example_grads",
+    "clipped_grad_sum",
+    "fast_path_supported",
+    "per_example_grad_norms",
+    "per_example_grads",
+    "pnsgd",
+    "pnsgd_noise_std",
+    "project_l2_ball",
+    "project_onto_l2_ball",
+]
