@@ -7,12 +7,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .. import _validate
 from .._numerics import f64, float64
 from ._conversion import rdp_to_epsilon
-from ._rdp import DEFAULT_ORDERS, heterogeneous_rdp, sampled_gaussian_rdp
+from ._rdp import DEFAULT_ORDERS, heterogeneous_rdp
 
 __all__ = ["dpsgd_epsilon", "schedule_epsilon", "calibrate_sigma", "CalibrationResult"]
 

@@ -214,17 +214,26 @@ def _log_am1_fractional(p: _FracPlan, q, log_q, log_1mq, sigma, z0):
     l1q = log_1mq[..., None]
     s = sigma[..., None]
     z = z0[..., None]
+    jg = p.j_grid  # (U, T)
+    zs = z / s
+    zs1 = (z - 1.0) / s
+    # Every log Φ value in one call (one copy of the erfc kernel in the compiled program):
+    # Φ((z0-i)/σ) for the left series, Φ((j-z0)/σ) on the right-series grid, and the four
+    # closed-form pieces Φ(±z0/σ), Φ(±(z0-1)/σ).
+    batch = z.shape[:-1]
+    args = [(z - i) / s, ((jg - z[..., None]) / s[..., None]).reshape(batch + (-1,)), zs, zs1, -zs, -zs1]
+    lnd = log_ndtr(jnp.concatenate(args, axis=-1))
+    cuts = np.cumsum([a.shape[-1] for a in args])[:-1].tolist()
+    lnd_f, lnd_g, ln_zs, ln_zs1, ln_mzs, ln_mzs1 = jnp.split(lnd, cuts, axis=-1)
     # Left series, term i: log|C(α,i)| + α log(1-q) + f(i); f is shared by all orders.
-    f = i * (lq - l1q) + (i * i - i) * inv2s2 + log_ndtr((z - i) / s)  # (..., I)
+    f = i * (lq - l1q) + (i * i - i) * inv2s2 + lnd_f  # (..., I)
     lac_l = np.where(p.w_left != 0, p.log_abs_comb, _NEG)  # masked entries ≈ log 0, finite
     lac_r = np.where(p.w_right != 0, p.log_abs_comb, _NEG)
     left = lac_l + alpha[:, None] * l1q[..., None] + f[..., None, :]  # (..., n, I)
     # Right series, term i: log|C(α,i)| + i log(1-q) + g(α - i).
-    jg = p.j_grid  # (U, T)
-    g = jg * lq[..., None] + (jg * jg - jg) * inv2s2[..., None] + log_ndtr((jg - z[..., None]) / s[..., None])
-    g_rows = jnp.stack(
-        [g[..., u, st : st + n_i] for u, st in zip(p.frac_index.tolist(), p.slice_start.tolist())], axis=-2
-    )  # (..., n, I)
+    g = jg * lq[..., None] + (jg * jg - jg) * inv2s2[..., None] + lnd_g.reshape(batch + jg.shape)
+    rows = p.frac_index[:, None] * g.shape[-1] + p.slice_start[:, None] + np.arange(n_i)[None, :]
+    g_rows = jnp.take(g.reshape(g.shape[:-2] + (-1,)), rows, axis=-1)  # (..., n, I)
     right = lac_r + i * l1q[..., None] + g_rows
     log_l, sign_l = signed_logsumexp(left, p.w_left, axis=-1)
     log_r, sign_r = signed_logsumexp(right, p.w_right, axis=-1)
@@ -240,20 +249,18 @@ def _log_am1_fractional(p: _FracPlan, q, log_q, log_1mq, sigma, z0):
     qq = q[..., None]
     aq = alpha * qq
     log_aq = jnp.log(alpha) + lq
-    zs = z / s
-    zs1 = (z - 1.0) / s
     # B2 = (1-q)^α - 1 + αq ≥ 0: binomial series when αq is small, else direct.
     use_series = aq <= _B2_SERIES_MAX_AQ
-    q_ser = jnp.where(use_series, qq, 0.0)
-    horner = jnp.zeros(q_ser.shape)
-    for c in p.b2_coef.T[::-1]:  # Σ_k c_k q^(k-2) by Horner's rule
-        horner = horner * q_ser + c
-    b2 = jnp.where(use_series, qq**2 * horner, jnp.expm1(alpha * l1q) + aq)
-    log_p3 = log_ndtr(zs) + jnp.log(jnp.maximum(b2, 1e-300))
-    log_p4 = log_aq + log_ndtr(zs1) + jnp.log(-jnp.expm1((alpha - 1.0) * l1q))
+    # q^(k-2) for k = 2, 3, ... is shared by all orders: 32 exps per configuration, then
+    # one small matrix product with the coefficients C(α,k)(-1)^k.
+    powers = jnp.exp(lq * np.arange(_B2_TERMS, dtype=np.float64))  # (..., K)
+    b2_series = qq**2 * (powers @ p.b2_coef.T)
+    b2 = jnp.where(use_series, b2_series, jnp.expm1(alpha * l1q) + aq)
+    log_p3 = ln_zs + jnp.log(jnp.maximum(b2, 1e-300))
+    log_p4 = log_aq + ln_zs1 + jnp.log(-jnp.expm1((alpha - 1.0) * l1q))
     one_m_aq = 1.0 - aq
-    log_p6a = jnp.log(jnp.maximum(jnp.abs(one_m_aq), 1e-300)) + log_ndtr(-zs)
-    log_p6b = log_aq + log_ndtr(-zs1)
+    log_p6a = jnp.log(jnp.maximum(jnp.abs(one_m_aq), 1e-300)) + ln_mzs
+    log_p6b = log_aq + ln_mzs1
     ones = jnp.ones(log_p3.shape)
     pieces = jnp.stack(
         [log_l, log_r, first_left + log_bound, first_right + log_bound, log_p3, log_p4, log_p6a, log_p6b], axis=-1
@@ -341,19 +348,25 @@ def _sgm_rdp(plan: _Plan, orders_np: np.ndarray, q: jax.Array, sigma: jax.Array)
     ss = jnp.where(valid, sigma, 1.0)
     log_q = jnp.log(qs)
     log_1mq = jnp.log1p(-qs)
-    out = jnp.zeros(q.shape + (plan.n_orders,), dtype=jnp.float64)
+    lams, alphas, positions = [], [], []
     if plan.int_groups:
         k_all = jnp.arange(plan.max_int + 1, dtype=jnp.float64)
         kk = jnp.maximum(k_all * k_all - k_all, 2.0)  # k < 2 is masked out; keep it finite
         log_expm1_k = log_expm1(kk / (2.0 * ss[..., None] ** 2))
         for g in plan.int_groups:
-            lam = _log_am1_integer(g, log_q, log_1mq, log_expm1_k)
-            out = out.at[..., g.positions].set(jnp.logaddexp(0.0, lam) / (g.alpha - 1.0))
+            lams.append(_log_am1_integer(g, log_q, log_1mq, log_expm1_k))
+            alphas.append(g.alpha)
+            positions.append(g.positions)
     if plan.frac is not None:
         fp = plan.frac
         z0 = ss**2 * (log_1mq - log_q) + 0.5
-        lam = _log_am1_fractional(fp, qs, log_q, log_1mq, ss, z0)
-        out = out.at[..., fp.positions].set(jnp.logaddexp(0.0, lam) / (fp.alpha - 1.0))
+        lams.append(_log_am1_fractional(fp, qs, log_q, log_1mq, ss, z0))
+        alphas.append(fp.alpha)
+        positions.append(fp.positions)
+    # ε(α) = log(1 + (A_α - 1))/(α - 1), then one static permutation back to the caller's order.
+    lam = jnp.concatenate(lams, axis=-1)
+    out = jnp.logaddexp(0.0, lam) / (np.concatenate(alphas) - 1.0)
+    out = jnp.take(out, np.argsort(np.concatenate(positions)), axis=-1)
     orders_j = jnp.asarray(orders_np)
     full = orders_j / (2.0 * ss[..., None] ** 2)  # q = 1: the Gaussian mechanism
     out = jnp.where((q == 1)[..., None], full, out)
