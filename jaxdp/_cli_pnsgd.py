@@ -1,0 +1,184 @@
+"""``jaxdp pnsgd``: per-record privacy of projected noisy SGD with hidden iterates.
+
+Thin layer over :func:`jaxdp.accounting.pnsgd_privacy`: parses the run's constants, prints
+a per-position summary (first, median, last and worst record for each analysis) or JSON,
+and optionally plots ε against the position. The bounds assume a convex, L-Lipschitz,
+β-smooth (and ρ-strongly convex) loss, hidden intermediate iterates and a fixed order; the
+command cannot check convexity of the user's loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+__all__ = ["add_pnsgd_parser", "run_pnsgd"]
+
+_ANALYSES = ("contraction", "iteration", "strongly_convex", "composition", "best")
+
+
+def add_pnsgd_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the ``pnsgd`` subcommand on an ``argparse`` subparsers object."""
+    p = subparsers.add_parser(
+        "pnsgd",
+        help="per-record (ε, δ) of projected noisy SGD with hidden iterates",
+        description=(
+            "ε per record position of projected noisy SGD (only the final iterate released), by the "
+            "contraction-coefficient analysis (Asoodeh et al.), amplification by iteration (Feldman et al.), "
+            "its strongly convex version (Balle et al.), the composition baseline (every iterate released), "
+            "and the best of them. Assumes a convex, L-Lipschitz, beta-smooth loss and a fixed order; the "
+            "command cannot check convexity."
+        ),
+    )
+    p.add_argument("--lipschitz", type=float, required=True, help="L: bound on every per-record gradient norm")
+    p.add_argument("--smoothness", type=float, required=True, help="beta > 0: smoothness of the loss")
+    p.add_argument("--lr", type=float, required=True, help="learning rate eta, 0 < eta < 2/(beta + rho)")
+    p.add_argument("--sigma", type=float, required=True, help="std of the Gaussian noise on the (averaged) gradient")
+    p.add_argument("--diameter", type=float, required=True, help="diameter D > 0 of the constraint set")
+    p.add_argument("--steps", type=int, required=True, help="number of records n (one pass)")
+    p.add_argument("--delta", type=float, required=True, help="target delta in (0, 1)")
+    p.add_argument("--strong-convexity", type=float, default=0.0, help="rho in [0, beta] (default 0)")
+    p.add_argument("--batch-size", type=int, default=1, help="records per step (default 1)")
+    p.add_argument("--passes", type=int, default=1, help="passes over the data in the same order (default 1)")
+    p.add_argument("--plot", metavar="FILE", default=None, help="write a plot of epsilon against position")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run_pnsgd)
+    return p
+
+
+def _error(msg: str) -> int:
+    print(f"jaxdp: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _summary(values, positions):
+    import numpy as np
+
+    v = np.asarray(values, dtype=np.float64)
+    n = v.size
+    mid = (n - 1) // 2
+    worst = int(np.argmax(np.where(np.isnan(v), np.inf, v)))
+    return {
+        "first": float(v[0]),
+        "median_position": int(positions[mid]),
+        "median": float(v[mid]),
+        "last": float(v[-1]),
+        "worst": float(v[worst]),
+        "worst_position": int(positions[worst]),
+    }
+
+
+def _fmt(x: float) -> str:
+    if math.isinf(x):
+        return "inf"
+    if math.isnan(x):
+        return "nan"
+    return f"{x:.6g}"
+
+
+def run_pnsgd(args) -> int:
+    """Run the ``pnsgd`` subcommand; returns the exit code (2 for invalid arguments)."""
+    checks = (
+        ("--lipschitz", args.lipschitz, lambda v: v >= 0, "must be ≥ 0"),
+        ("--smoothness", args.smoothness, lambda v: v > 0, "must be > 0"),
+        ("--lr", args.lr, lambda v: v > 0, "must be > 0"),
+        ("--sigma", args.sigma, lambda v: v > 0, "must be > 0"),
+        ("--diameter", args.diameter, lambda v: v > 0, "must be > 0"),
+        ("--steps", args.steps, lambda v: v >= 1, "must be ≥ 1"),
+        ("--delta", args.delta, lambda v: 0 < v < 1, "must be in (0, 1)"),
+        ("--strong-convexity", args.strong_convexity, lambda v: v >= 0, "must be ≥ 0"),
+        ("--batch-size", args.batch_size, lambda v: v >= 1, "must be ≥ 1"),
+        ("--passes", args.passes, lambda v: v >= 1, "must be ≥ 1"),
+    )
+    for flag, value, ok, what in checks:
+        if value is None or (isinstance(value, float) and not math.isfinite(value)) or not ok(value):
+            return _error(f"{flag} {what}; got {value}")
+    if args.strong_convexity > args.smoothness:
+        return _error(
+            f"--strong-convexity must be ≤ --smoothness; got {args.strong_convexity} > {args.smoothness}"
+        )
+    limit = 2.0 / (args.smoothness + args.strong_convexity)
+    if args.lr >= limit:
+        return _error(f"--lr must be < 2/(smoothness + strong_convexity) = {limit:g}; got {args.lr}")
+
+    import numpy as np
+
+    from .accounting._pnsgd import pnsgd_privacy
+
+    try:
+        out = pnsgd_privacy(
+            lipschitz=args.lipschitz,
+            smoothness=args.smoothness,
+            lr=args.lr,
+            sigma=args.sigma,
+            diameter=args.diameter,
+            steps=int(args.steps),
+            delta=args.delta,
+            strong_convexity=args.strong_convexity,
+            batch_size=int(args.batch_size),
+            passes=int(args.passes),
+        )
+    except ValueError as exc:  # a parameter the checks above did not anticipate
+        return _error(str(exc))
+    positions = np.asarray(out.positions).astype(np.int64)
+    results = {name: _summary(getattr(out, name), positions) for name in _ANALYSES}
+    if args.json:
+        payload = {
+            "parameters": {
+                "lipschitz": args.lipschitz,
+                "smoothness": args.smoothness,
+                "strong_convexity": args.strong_convexity,
+                "lr": args.lr,
+                "sigma": args.sigma,
+                "diameter": args.diameter,
+                "steps": args.steps,
+                "batch_size": args.batch_size,
+                "passes": args.passes,
+                "delta": args.delta,
+            },
+            "epsilon": {
+                name: {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()}
+                for name, r in results.items()
+            },
+        }
+        print(json.dumps(payload, indent=2))
+    else:
+        mid_pos = results["best"]["median_position"]
+        print(
+            f"PNSGD, n = {args.steps}, batch {args.batch_size}, passes {args.passes}, sigma = {args.sigma:g}, "
+            f"delta = {args.delta:g}: epsilon per record position (hidden iterates)"
+        )
+        header = f"{'analysis':<16} {'first (i=1)':>12} {f'median (i={mid_pos})':>18} {f'last (i={args.steps})':>16} {'worst':>12}"
+        print(header)
+        print("-" * len(header))
+        for name in _ANALYSES:
+            r = results[name]
+            print(
+                f"{name:<16} {_fmt(r['first']):>12} {_fmt(r['median']):>18} {_fmt(r['last']):>16} "
+                f"{_fmt(r['worst']):>12}"
+            )
+    if args.plot:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+
+            fig, ax = plt.subplots(figsize=(7, 4.5))
+            for name in _ANALYSES:
+                y = np.asarray(getattr(out, name))
+                if np.all(np.isinf(y)):
+                    continue
+                ax.plot(positions, y, label=name, lw=2.5 if name == "best" else 1.2, ls="--" if name == "best" else "-")
+            ax.set_xlabel("record position i")
+            ax.set_ylabel(f"epsilon at delta = {args.delta:g}")
+            ax.set_title(f"PNSGD, n = {args.steps}, sigma = {args.sigma:g}")
+            ax.legend()
+            fig.tight_layout()
+            fig.savefig(args.plot, dpi=120)
+            plt.close(fig)
+        except OSError as exc:
+            return _error(f"--plot cannot write {args.plot!r}: {exc}")
+    return 0

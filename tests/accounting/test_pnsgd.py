@@ -1,0 +1,230 @@
+"""pnsgd_privacy / calibrate_pnsgd_sigma and the ``jaxdp pnsgd`` command.
+
+References (never jaxdp itself): mpmath at 50 digits (θ and its root for the
+contraction bound and the exact Gaussian mechanism), the improved RDP conversion over a
+fine grid of orders (tests/references.py), and the test vectors of
+shared/notes/seeds/000_contraction.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import mpmath as mp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxdp._cli_pnsgd import add_pnsgd_parser, run_pnsgd
+from jaxdp.accounting import _pnsgd as P
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from references import rdp_to_epsilon_improved  # noqa: E402
+
+# Shared-grid inversion: candidate root + 1e-12 relative margin, certified exactly.
+RTOL_EPS = 1e-9
+
+mp.mp.dps = 50
+
+FIG2 = dict(lipschitz=1.0, smoothness=0.5, lr=0.5, sigma=2.0, diameter=1.0, steps=40, delta=1e-5)
+
+
+@pytest.fixture(autouse=True)
+def _x64():
+    with jax.enable_x64(True):
+        yield
+
+
+def theta_mp(eps, r):
+    eps, r = mp.mpf(eps), mp.mpf(r)
+    if r == 0:
+        return mp.mpf(0)
+    return mp.ncdf(-(eps / r - r / 2)) - mp.e**eps * mp.ncdf(-(eps / r + r / 2))
+
+
+def eps_root_mp(log_delta_fn, delta, hi=50.0):
+    """Smallest ε with log_delta_fn(ε) ≤ log δ, by mpmath bisection (0 if already at ε = 0)."""
+    target = mp.log(delta)
+    if log_delta_fn(mp.mpf(0)) <= target:
+        return 0.0
+    lo, hi = mp.mpf(0), mp.mpf(hi)
+    for _ in range(120):
+        mid = (lo + hi) / 2
+        if log_delta_fn(mid) <= target:
+            hi = mid
+        else:
+            lo = mid
+    return float(hi)
+
+
+def gaussian_eps_mp(r, delta):
+    return eps_root_mp(lambda e: mp.log(theta_mp(e, r)), delta)
+
+
+@pytest.fixture(scope="module")
+def fig2_run():
+    with jax.enable_x64(True):
+        return P.pnsgd_privacy(**FIG2)
+
+
+def test_fig2_contraction_against_mpmath(fig2_run):
+    out = fig2_run
+    for i in (1, 20, 30, 35, 38, 39, 40):
+        k = 40 - i + 1  # r1 = rc = 1 in Fig. 2, so δ = θ(1)^{n−i+1}
+        ref = eps_root_mp(lambda e: k * mp.log(theta_mp(e, 1)), 1e-5)
+        assert float(out.contraction[i - 1]) == pytest.approx(ref, rel=RTOL_EPS, abs=1e-12), i
+    # Notes: i = 39 → 2.75400907565, i = 40 → 4.37717809568.
+    assert float(out.contraction[38]) == pytest.approx(2.75400907565, rel=1e-10)
+    assert float(out.contraction[39]) == pytest.approx(4.37717809568, rel=1e-10)
+
+
+def test_fig2_iteration_and_composition(fig2_run):
+    out = fig2_run
+    orders = np.geomspace(1.0101, 1e6, 20000)
+    for i in (1, 20, 40):
+        c = 2 * 1.0 / (4.0 * (40 - i + 1))
+        ref = rdp_to_epsilon_improved(orders, c * orders, 1e-5)
+        assert float(out.iteration[i - 1]) == pytest.approx(ref, rel=1e-7)
+        assert float(out.iteration[i - 1]) <= ref + 1e-12
+        # Proposition-1 κ (n − i in the denominator, M = 1) with the same conversion.
+        k = 2 / 4.0 if i == 40 else 2 * 1.0 / ((40 - i) * 4.0)
+        assert float(out.strongly_convex[i - 1]) == pytest.approx(rdp_to_epsilon_improved(orders, k * orders, 1e-5), rel=1e-7)
+    np.testing.assert_allclose(np.asarray(out.composition), gaussian_eps_mp(1.0, 1e-5), rtol=1e-10)
+
+
+def test_best_is_min_and_at_least_one_step_gaussian(fig2_run):
+    out = fig2_run
+    best = np.asarray(out.best)
+    for name in ("contraction", "iteration", "strongly_convex", "composition"):
+        assert np.all(best <= np.asarray(getattr(out, name)))
+    one_step = gaussian_eps_mp(2 * 1.0 / 2.0, 1e-5)
+    assert best[-1] >= one_step * (1 - 1e-12)
+    assert best[-1] == pytest.approx(one_step, rel=1e-10)
+    np.testing.assert_array_equal(np.asarray(out.positions), np.arange(1, 41))
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    sigma=st.floats(0.5, 4.0),
+    diameter=st.floats(0.2, 3.0),
+    rho=st.floats(0.0, 0.5),
+    batch=st.integers(1, 6),
+    passes=st.integers(1, 3),
+    delta=st.sampled_from([1e-3, 1e-6]),
+)
+def test_properties_monotone_best_and_one_step(sigma, diameter, rho, batch, passes, delta):
+    out = P.pnsgd_privacy(
+        lipschitz=1.0, smoothness=1.0, lr=0.5, sigma=sigma, diameter=diameter, steps=40, delta=delta,
+        strong_convexity=rho, batch_size=batch, passes=passes,
+    )
+    best = np.asarray(out.best)
+    for name in ("contraction", "iteration", "strongly_convex", "composition", "best"):
+        v = np.asarray(getattr(out, name))
+        assert not np.any(np.isnan(v))
+        # ε per position is non-increasing in the number of later steps (non-decreasing in i).
+        fin = np.isfinite(v)
+        assert np.all(np.diff(v[fin]) >= -1e-9 * np.maximum(1.0, v[fin][1:]))
+        assert np.all(best <= v)
+    # Never below the exact ε of one Gaussian step of the record's (last) batch.
+    m = math.ceil(40 / batch)
+    b_last = 40 - (m - 1) * batch
+    one_step = gaussian_eps_mp(2.0 / (b_last * sigma), delta)
+    assert best[-1] >= one_step * (1 - 1e-12)
+
+
+def test_calibration_worst_record_is_gaussian():
+    s = float(P.calibrate_pnsgd_sigma(1.0, 1e-5, lipschitz=1.0, smoothness=1.0, lr=0.5, diameter=1.0, steps=1000))
+    assert theta_mp(1.0, 2.0 / s) <= 1e-5
+    assert theta_mp(1.0, 2.0 / (s * (1 - 1e-9))) > 1e-5  # and it is the smallest such σ
+
+
+def test_calibration_per_position_contraction():
+    pos = jnp.array([1, 30, 39, 40])
+    s = np.asarray(P.calibrate_pnsgd_sigma(1.0, 1e-5, lipschitz=1.0, smoothness=0.5, lr=0.5, diameter=1.0, steps=40, position=pos, analysis="contraction"))
+    for i, sig in zip([1, 30, 39, 40], s):
+        logd = lambda x: mp.log(theta_mp(1.0, 2 / x)) + (40 - i) * mp.log(theta_mp(1.0, 1 / (0.5 * x)))  # noqa: E731
+        assert logd(sig) <= mp.log(1e-5)
+        assert logd(sig * (1 - 1e-9)) > mp.log(1e-5)
+    assert np.all(np.diff(s) >= 0)
+
+
+def test_errors_name_the_parameter():
+    with pytest.raises(ValueError, match="lr"):
+        P.pnsgd_privacy(**{**FIG2, "lr": 4.0})
+    with pytest.raises(ValueError, match="strong_convexity"):
+        P.pnsgd_privacy(**{**FIG2, "strong_convexity": 0.6})
+    with pytest.raises(ValueError, match="diameter"):
+        P.pnsgd_privacy(**{**FIG2, "diameter": 0.0})
+    with pytest.raises(ValueError, match="position"):
+        P.pnsgd_privacy(**FIG2, positions=jnp.array([0, 3]))
+    with pytest.raises(ValueError, match="sigma"):
+        P.pnsgd_privacy(**{**FIG2, "sigma": jnp.array([1.0, 2.0])})
+    with pytest.raises(ValueError, match="delta"):
+        P.pnsgd_privacy(**{**FIG2, "delta": 1.0})
+    with pytest.raises(ValueError, match="analysis"):
+        P.calibrate_pnsgd_sigma(1.0, 1e-5, lipschitz=1.0, smoothness=1.0, lr=0.5, diameter=1.0, steps=10, analysis="x")
+
+
+def test_traced_invalid_inputs_give_nan(fig2_run):
+    # Under jit the public function runs this jitted core with traced values (the eager
+    # validators are skipped); same shapes as the fixture, so no new compile.
+    f64 = lambda x: jnp.asarray(x, jnp.float64)  # noqa: E731
+    pos = jnp.arange(1, 41, dtype=jnp.float64)
+
+    def run(sigma=2.0, lr=0.5, diameter=1.0, delta=1e-5, rho=0.0):
+        args = [f64(x) for x in (40, 1.0, 0.5, rho, lr, sigma, diameter, 1, 1, delta)]
+        return np.asarray(P._privacy_core(pos, *args, sc_form="proposition1")[-1])
+
+    np.testing.assert_array_equal(run(), np.asarray(fig2_run.best))
+    for bad in (dict(sigma=-1.0), dict(lr=4.0), dict(diameter=0.0), dict(delta=1.0), dict(rho=0.6)):
+        assert np.all(np.isnan(run(**bad))), bad
+
+
+# ----------------------------------- command line -----------------------------------
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(prog="jaxdp")
+    sub = parser.add_subparsers(dest="command")
+    add_pnsgd_parser(sub)
+    return parser.parse_args(argv)
+
+
+BASE = ["pnsgd", "--lipschitz", "1", "--smoothness", "0.5", "--lr", "0.5", "--sigma", "2", "--diameter", "1", "--steps", "40", "--delta", "1e-5"]
+
+
+def test_cli_json_and_table(capsys, tmp_path):
+    args = _parse(BASE + ["--json"])
+    assert run_pnsgd(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["epsilon"]["contraction"]["last"] == pytest.approx(4.37717809568, rel=1e-9)
+    assert data["epsilon"]["best"]["worst_position"] == 40
+    assert data["epsilon"]["best"]["first"] == 0.0
+    plot = tmp_path / "eps.png"
+    args = _parse(BASE + ["--plot", str(plot)])
+    assert run_pnsgd(args) == 0
+    out = capsys.readouterr().out
+    assert "contraction" in out and "worst" in out and "4.37718" in out
+    assert plot.exists() and plot.stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    "flag,value,name",
+    [("--lr", "4", "--lr"), ("--sigma", "0", "--sigma"), ("--diameter", "-1", "--diameter"), ("--delta", "1.5", "--delta"), ("--strong-convexity", "0.9", "--strong-convexity")],
+)
+def test_cli_invalid_arguments(capsys, flag, value, name):
+    argv = list(BASE)
+    if flag in argv:
+        argv[argv.index(flag) + 1] = value
+    else:
+        argv += [flag, value]
+    assert run_pnsgd(_parse(argv)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("jaxdp: error:") and name in err[0]
