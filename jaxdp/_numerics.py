@@ -63,10 +63,12 @@ def log_ndtr(x: jax.Array) -> jax.Array:
 
 
 def log_expm1(x: jax.Array) -> jax.Array:
-    """``log(exp(x) - 1)`` for ``x > 0``, without overflow for large ``x``."""
-    big = x > 30.0
-    x_small = jnp.where(big, 1.0, x)
-    return jnp.where(big, x + jnp.log1p(-jnp.exp(-jnp.where(big, x, 30.0))), jnp.log(jnp.expm1(x_small)))
+    """``log(exp(x) - 1) = x + log(1 - e^{-x})`` for ``x > 0``, without overflow.
+
+    ``-expm1(-x)`` keeps full relative precision both for tiny ``x`` (where it is ≈ x) and
+    for large ``x`` (where it is 1 - e^{-x}), so one branch serves every x > 0.
+    """
+    return x + jnp.log(-jnp.expm1(-x))
 
 
 def signed_logsumexp(log_abs: jax.Array, signs: jax.Array, axis: int = -1) -> tuple[jax.Array, jax.Array]:

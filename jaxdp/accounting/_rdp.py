@@ -184,9 +184,11 @@ def _log_am1_integer(g: _IntGroup, log_q, log_1mq, log_expm1_k):
     n_k = k.shape[0]
     le = log_expm1_k[..., None, :n_k]  # (..., 1, K)
     lc = np.where(g.mask, g.log_comb, _NEG)  # masked entries ≈ log 0 (finite: safe gradients)
-    t = lc + k * log_q[..., None, None] + (g.alpha[:, None] - k) * log_1mq[..., None, None] + le
+    # k log q + (α-k) log(1-q) = α log(1-q) + k log(q/(1-q)); the first part is added after
+    # the sum, so each term costs one multiply-add, two adds and one exp.
+    t = (lc + le) + k * (log_q - log_1mq)[..., None, None]
     m = jax.lax.stop_gradient(jnp.max(t, axis=-1, keepdims=True))
-    return jnp.log(jnp.sum(jnp.exp(t - m), axis=-1)) + m[..., 0]
+    return jnp.log(jnp.sum(jnp.exp(t - m), axis=-1)) + m[..., 0] + g.alpha * log_1mq[..., None]
 
 
 def _log_am1_fractional(p: _FracPlan, q, log_q, log_1mq, sigma, z0):
@@ -229,13 +231,14 @@ def _log_am1_fractional(p: _FracPlan, q, log_q, log_1mq, sigma, z0):
     f = i * (lq - l1q) + (i * i - i) * inv2s2 + lnd_f  # (..., I)
     lac_l = np.where(p.w_left != 0, p.log_abs_comb, _NEG)  # masked entries ≈ log 0, finite
     lac_r = np.where(p.w_right != 0, p.log_abs_comb, _NEG)
-    left = lac_l + alpha[:, None] * l1q[..., None] + f[..., None, :]  # (..., n, I)
+    left = lac_l + f[..., None, :]  # (..., n, I); the common α log(1-q) is added after the sum
     # Right series, term i: log|C(α,i)| + i log(1-q) + g(α - i).
     g = jg * lq[..., None] + (jg * jg - jg) * inv2s2[..., None] + lnd_g.reshape(batch + jg.shape)
     rows = p.frac_index[:, None] * g.shape[-1] + p.slice_start[:, None] + np.arange(n_i)[None, :]
     g_rows = jnp.take(g.reshape(g.shape[:-2] + (-1,)), rows, axis=-1)  # (..., n, I)
     right = lac_r + i * l1q[..., None] + g_rows
     log_l, sign_l = signed_logsumexp(left, p.w_left, axis=-1)
+    log_l = log_l + alpha * l1q
     log_r, sign_r = signed_logsumexp(right, p.w_right, axis=-1)
     # Certified CRVZ error bounds: bound × (first tail term a_0, at i = i0), for each series.
     i0 = p.i0
