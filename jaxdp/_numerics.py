@@ -71,21 +71,27 @@ def log_expm1(x: jax.Array) -> jax.Array:
     return x + jnp.log(-jnp.expm1(-x))
 
 
-def signed_logsumexp(log_abs: jax.Array, signs: jax.Array, axis: int = -1) -> tuple[jax.Array, jax.Array]:
+def signed_logsumexp(log_abs: jax.Array, signs: jax.Array, axis: int = -1, *, return_abs: bool = False):
     """``log|Σ s_i e^{a_i}|`` and the sign of the sum, along ``axis``.
 
     Entries with ``log_abs = -inf`` contribute nothing. Returns ``(-inf, 0)`` for an empty
-    (all ``-inf``) sum.
+    (all ``-inf``) sum. With ``return_abs`` also ``log Σ |s_i| e^{a_i}``, the scale against
+    which the rounding error of the signed sum is measured.
     """
     m = jnp.max(log_abs, axis=axis, keepdims=True)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    total = jnp.sum(signs * jnp.exp(log_abs - m_safe), axis=axis)
+    e = jnp.exp(log_abs - m_safe)
+    total = jnp.sum(signs * e, axis=axis)
     m_safe = jnp.squeeze(m_safe, axis=axis)
     sign = jnp.sign(total)
     abs_total = jnp.abs(total)
     pos = abs_total > 0
     log_total = jnp.where(pos, m_safe + jnp.log(jnp.where(pos, abs_total, 1.0)), -jnp.inf)
-    return log_total, sign
+    if not return_abs:
+        return log_total, sign
+    mag = jnp.sum(jnp.abs(signs) * e, axis=axis)
+    log_mag = jnp.where(mag > 0, m_safe + jnp.log(jnp.where(mag > 0, mag, 1.0)), -jnp.inf)
+    return log_total, sign, log_mag
 
 
 @functools.lru_cache(maxsize=None)

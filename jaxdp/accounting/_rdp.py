@@ -35,6 +35,7 @@ _N_TAIL = 20
 _B2_SERIES_MAX_AQ = 0.5
 _B2_TERMS = 32  # k = 2 .. 33: truncation error below (0.5)^34/34! relative
 _CHUNK = 32  # configurations per chunk in large batches
+_ROUNDING_MARGIN_LOG = -46.0 * math.log(2.0)
 _NEG = -1e300  # stands for log 0 in masked entries (finite, so gradients stay finite)
 
 
@@ -237,9 +238,9 @@ def _log_am1_fractional(p: _FracPlan, q, log_q, log_1mq, sigma, z0):
     rows = p.frac_index[:, None] * g.shape[-1] + p.slice_start[:, None] + np.arange(n_i)[None, :]
     g_rows = jnp.take(g.reshape(g.shape[:-2] + (-1,)), rows, axis=-1)  # (..., n, I)
     right = lac_r + i * l1q[..., None] + g_rows
-    log_l, sign_l = signed_logsumexp(left, p.w_left, axis=-1)
-    log_l = log_l + alpha * l1q
-    log_r, sign_r = signed_logsumexp(right, p.w_right, axis=-1)
+    log_l, sign_l, mag_l = signed_logsumexp(left, p.w_left, axis=-1, return_abs=True)
+    log_l, mag_l = log_l + alpha * l1q, mag_l + alpha * l1q
+    log_r, sign_r, mag_r = signed_logsumexp(right, p.w_right, axis=-1, return_abs=True)
     # Certified CRVZ error bounds: bound × (first tail term a_0, at i = i0), for each series.
     i0 = p.i0
     lac0 = p.log_abs_comb[np.arange(len(alpha)), i0]
@@ -269,6 +270,15 @@ def _log_am1_fractional(p: _FracPlan, q, log_q, log_1mq, sigma, z0):
         [log_l, log_r, first_left + log_bound, first_right + log_bound, log_p3, log_p4, log_p6a, log_p6b], axis=-1
     )
     weights = jnp.stack([sign_l, sign_r, ones, ones, ones, -ones, -jnp.sign(one_m_aq), -ones], axis=-1)
+    # Rounding margin: the signed sum loses up to (number of terms + size of the term
+    # exponents) ulps of the sum of magnitudes, which is about σ² times A - 1 for large σ
+    # (the i = 2 term cancels against B_left). Adding 2^-46 of that magnitude (≈ 70 terms
+    # and exponents up to ~500 in size) keeps the result an upper bound: it costs < 1e-10
+    # relative for σ ≤ 50 and makes extreme σ (≥ 1e4) conservative rather than wrong.
+    mags = jnp.stack([mag_l, mag_r, pieces[..., 2], pieces[..., 3], log_p3, log_p4, log_p6a, log_p6b], axis=-1)
+    log_margin = jax.scipy.special.logsumexp(mags, axis=-1) + _ROUNDING_MARGIN_LOG
+    pieces = jnp.concatenate([pieces, log_margin[..., None]], axis=-1)
+    weights = jnp.concatenate([weights, ones[..., None]], axis=-1)
     log_total, sign = signed_logsumexp(pieces, weights, axis=-1)
     # A_α - 1 > 0 for 0 < q < 1; a non-positive sum means the value is below the rounding
     # noise of its pieces and cannot be certified: report +inf rather than a guess.
