@@ -17,7 +17,7 @@ __all__ = ["dpsgd_epsilon", "schedule_epsilon", "calibrate_sigma", "CalibrationR
 
 
 @float64
-def dpsgd_epsilon(q, sigma, steps, delta, *, orders=DEFAULT_ORDERS, method: str = "improved") -> jax.Array:
+def dpsgd_epsilon(q, sigma, steps, delta, orders=DEFAULT_ORDERS, *, method: str = "improved") -> jax.Array:
     r"""ε of DP-SGD after ``steps`` Poisson-sampled Gaussian steps, at the target δ.
 
     :math:`ε = \min_α \mathrm{conv}_δ\big(T\,ε_{q,σ}(α)\big)` with the exact sampled-Gaussian
@@ -55,7 +55,7 @@ def dpsgd_epsilon(q, sigma, steps, delta, *, orders=DEFAULT_ORDERS, method: str 
 
 
 @float64
-def schedule_epsilon(q, sigma, steps, delta, *, orders=DEFAULT_ORDERS, method: str = "improved") -> jax.Array:
+def schedule_epsilon(q, sigma, steps, delta, orders=DEFAULT_ORDERS, *, method: str = "improved") -> jax.Array:
     r"""ε of a heterogeneous DP-SGD schedule: segments of (q_s, σ_s, T_s), last axis.
 
     RDP curves of the segments add up (:func:`heterogeneous_rdp`), then convert once.
@@ -83,8 +83,8 @@ def calibrate_sigma(
     q,
     steps,
     delta,
-    *,
     orders=DEFAULT_ORDERS,
+    *,
     method: str = "improved",
     sigma_bounds: tuple[float, float] = (0.05, 1.0e4),
     iterations: int = 64,
