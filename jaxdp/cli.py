@@ -221,12 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output(p)
     p.set_defaults(func=_cmd_grid)
 
-    try:  # the hidden-state accountant's subcommand, when present
-        from ._cli_pnsgd import add_pnsgd_parser
-    except ImportError:
-        pass
-    else:
-        add_pnsgd_parser(sub)
+    from ._cli_pnsgd import add_pnsgd_parser
+    from ._cli_train import add_train_parser
+
+    add_pnsgd_parser(sub)
+    add_train_parser(sub)
     return parser
 
 

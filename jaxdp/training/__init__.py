@@ -33,3 +33,25 @@ __all__ = [
     "project_l2_ball",
     "project_onto_l2_ball",
 ]
+
+from ._checkpoint import Checkpointer as Checkpointer
+from ._checkpoint import latest_checkpoint_step as latest_checkpoint_step
+from ._ledger import PrivacyLedger as PrivacyLedger
+from ._ledger import PrivacyReport as PrivacyReport
+from ._ledger import privacy_report as privacy_report
+from ._loop import TrainResult as TrainResult
+from ._loop import TrainState as TrainState
+from ._loop import accuracy as accuracy
+from ._loop import train as train
+
+__all__ += [
+    "Checkpointer",
+    "PrivacyLedger",
+    "PrivacyReport",
+    "TrainResult",
+    "TrainState",
+    "accuracy",
+    "latest_checkpoint_step",
+    "privacy_report",
+    "train",
+]

@@ -1,0 +1,65 @@
+"""Train softmax regression on the bundled digits with PNSGD; report ε per record position.
+
+What you should see (full run, about 15 s on a 2-core CPU): test accuracy about 84 %, and
+ε per record position (δ = 1e-5) of about 3.0 / 3.2 / 5.8 (best / median / worst) under
+amplification by iteration, against 17.9 for every record under composition, i.e. if the
+intermediate iterates were released. The script asserts these claims (with margins), and
+that a non-convex MLP trained the same way is reported under composition, not the
+amplified bound.
+
+    python examples/10_train_digits.py            # full run
+    python examples/10_train_digits.py --smoke    # one pass, a few seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+from flax import nnx
+
+from jaxdp.data import load_digits
+from jaxdp.models import MLP, SoftmaxRegression
+from jaxdp.training import train
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="one pass (seconds)")
+    args = ap.parse_args(argv)
+    passes = 1 if args.smoke else 10
+
+    ds = load_digits()  # rows scaled to unit norm: X = 1, so L = 2 and beta = 1
+    print(f"digits: {len(ds.x_train)} train / {len(ds.x_test)} test, 64 features, ||x|| <= {ds.feature_norm_bound:g}")
+    res = train(SoftmaxRegression(64, 10, rngs=nnx.Rngs(0)), ds, learning_rate=1.0, noise_multiplier=1.0,
+                radius=30.0, batch_size=64, passes=passes, progress=False)
+    rep, led = res.privacy, res.state.ledger
+    amp, comp = rep.summary(rep.amplified), rep.summary(rep.composition)
+    print(f"softmax regression, {passes} pass(es): test accuracy {100 * res.test_accuracy:.1f} %")
+    print(f"  epsilon best/median/worst, hidden iterates: {amp['best']:.3g} / {amp['median']:.3g} / {amp['worst']:.3g}")
+    print(f"  epsilon best/median/worst, composition:     {comp['best']:.3g} / {comp['median']:.3g} / {comp['worst']:.3g}")
+    per_record = rep.record_epsilon(np.asarray(res.state.order))
+    print(f"  record 0 of x_train sits at position {int(np.argmax(np.asarray(res.state.order) == 0)) + 1}: "
+          f"epsilon {per_record[0]:.3g}")
+    print(rep.table())
+
+    assert rep.analysis == "hidden-state" and led.clipped == 0, rep.reason
+    assert np.all(rep.epsilon <= rep.composition)
+    if args.smoke:
+        assert res.test_accuracy >= 0.3 and amp["worst"] <= 5.0  # one pass: last batch ~ one Gaussian step
+    else:
+        assert res.test_accuracy >= 0.80, res.test_accuracy
+        assert amp["worst"] <= 6.0 and amp["median"] <= 3.5 and comp["median"] >= 15.0
+
+    # A non-convex model: trained, but only the composition bound is reported.
+    mlp = train(MLP((64, 32, 10), rngs=nnx.Rngs(0)), ds, learning_rate=0.5, noise_multiplier=1.0, radius=30.0,
+                batch_size=64, passes=passes, clip_norm=1.0, progress=False)
+    print(f"MLP 64-32-10: test accuracy {100 * mlp.test_accuracy:.1f} %, reported {mlp.privacy.analysis}: "
+          f"{mlp.privacy.reason}")
+    assert mlp.privacy.analysis == "composition" and mlp.privacy.amplified is None
+    print("all claims hold")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

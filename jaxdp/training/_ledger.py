@@ -1,0 +1,341 @@
+r"""The privacy ledger of a PNSGD training run, and the ε per record position it implies.
+
+A :class:`PrivacyLedger` records everything the accountant needs (which analysis, the
+constants :math:`L, \beta, \rho`, the step :math:`\eta`, the noise :math:`\sigma`, the
+diameter :math:`D = 2R`, the number of records :math:`n`, the batch size :math:`b`, the
+passes, the steps done and :math:`\delta`), as plain JSON-serialisable Python values, so it
+can be checkpointed and audited. :func:`privacy_report` turns it into ε per record position
+with the pure accountants of :mod:`jaxdp.accounting`.
+
+Which guarantee is reported:
+
+* ``"hidden-state"``: the element-wise best of the contraction (Asoodeh et al. Thm 4),
+  amplification-by-iteration (Feldman et al. Thm 23), strongly convex and composition
+  bounds of :func:`jaxdp.accounting._pnsgd.pnsgd_privacy`. It needs a convex,
+  :math:`L`-Lipschitz, :math:`\beta`-smooth loss, :math:`\eta < 2/\beta`, clipping that
+  never acts (so each update is a gradient step on that loss; pitfall 3 of the PABI
+  notes), and only the final iterate released.
+* ``"random-stop"``: one pass stopped after :math:`T \sim \mathrm{Uniform}\{1..m\}`
+  steps (:math:`m` batches), released :math:`Y_T` only: Theorem 5 of Asoodeh et al.
+  (exact sum, per position), or the single-use composition bound, whichever is smaller.
+* ``"composition"``: every iterate may be released, or the update is not known to be a
+  contraction (non-convex model, clipping that acted, clip norm below the Lipschitz
+  bound). Each record's :math:`k` uses are composed exactly (Gaussian mechanism with
+  ratio :math:`2C\sqrt k/(b\sigma)`); valid for any model.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import numpy as np
+
+__all__ = ["PrivacyLedger", "PrivacyReport", "privacy_report"]
+
+_HIDDEN = "hidden-state"
+_STOP = "random-stop"
+_COMPOSITION = "composition"
+
+
+class PrivacyLedger(NamedTuple):
+    """What a PNSGD run has spent, in the accountant's terms (JSON-serialisable).
+
+    Attributes:
+      analysis: the guarantee that currently holds: ``"hidden-state"``, ``"random-stop"``
+        or ``"composition"`` (see the module docs). Training demotes it to
+        ``"composition"`` when an assumption of the amplified analyses fails.
+      reason: why that analysis (one sentence, for the report).
+      convex: whether the loss was declared convex with known constants.
+      lipschitz: :math:`L` used by the accountant (per-example gradient norm bound).
+      smoothness: :math:`\\beta`, or ``None`` when unknown (non-convex model).
+      strong_convexity: :math:`\\rho \\ge 0`.
+      learning_rate: :math:`\\eta`.
+      noise_multiplier: :math:`\\nu`, the noise std relative to the sensitivity
+        :math:`2C/b` of the averaged clipped gradient.
+      noise_std: :math:`\\sigma = \\nu\\cdot 2C/b`, the absolute std of the noise on the
+        averaged gradient (the accountants' :math:`\\sigma`).
+      clip_norm: :math:`C`.
+      lipschitz_bound: the model's Lipschitz bound from the feature norm, or ``None``.
+      diameter: :math:`D = 2R`.
+      records: :math:`n`, the records used per pass (after dropping a remainder).
+      unused: records of the data set never used (dropped remainder), ε = 0 for them.
+      batch_size: :math:`b`.
+      passes: :math:`k`, planned passes in the same order.
+      steps_per_pass: batches per pass, :math:`m = \\lceil n/b\\rceil`.
+      schedule: ``"fixed"`` (every pass in the same shuffled-once order) or
+        ``"random_stop"``.
+      seed: the seed all keys derive from (order, noise, stopping time).
+      total_steps: steps the run will do. For ``"random_stop"`` this is the drawn
+        stopping time :math:`T`, which must stay **secret**: do not publish it.
+      steps_done: steps already done (updated as training goes; checkpointed).
+      delta: target :math:`\\delta`.
+      clipped: number of per-example gradients whose norm exceeded :math:`C` so far.
+      max_grad_norm: the largest unclipped per-example gradient norm seen so far.
+      intermediates_released: whether the caller asked for the intermediate iterates.
+    """
+
+    analysis: str
+    reason: str
+    convex: bool
+    lipschitz: float
+    smoothness: float | None
+    strong_convexity: float
+    learning_rate: float
+    noise_multiplier: float
+    noise_std: float
+    clip_norm: float
+    lipschitz_bound: float | None
+    diameter: float
+    records: int
+    unused: int
+    batch_size: int
+    passes: int
+    steps_per_pass: int
+    schedule: str
+    seed: int
+    total_steps: int
+    steps_done: int
+    delta: float
+    clipped: int
+    max_grad_norm: float
+    intermediates_released: bool
+
+    def to_json(self) -> dict[str, Any]:
+        """The ledger as a JSON-ready dict."""
+        return {k: v for k, v in self._asdict().items()}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PrivacyLedger:
+        """Inverse of :meth:`to_json`."""
+        return cls(**{k: data[k] for k in cls._fields})
+
+
+def demote(ledger: PrivacyLedger, reason: str) -> PrivacyLedger:
+    """Return ``ledger`` switched to the composition analysis (idempotent: keeps the first reason)."""
+    if ledger.analysis == _COMPOSITION:
+        return ledger
+    return ledger._replace(analysis=_COMPOSITION, reason=reason)
+
+
+def _clipping_reason(ledger: PrivacyLedger) -> str | None:
+    if ledger.clipped > 0:
+        return (
+            f"{ledger.clipped} per-example gradient(s) exceeded the clip norm C={ledger.clip_norm:g} "
+            f"(largest norm {ledger.max_grad_norm:.6g}): a clipped gradient is not the gradient of the "
+            "convex loss, so the update is not known to be a contraction (PABI notes, pitfall 3)"
+        )
+    return None
+
+
+class PrivacyReport(NamedTuple):
+    """ε per record position (1-based, in the order the records are processed).
+
+    Attributes:
+      analysis: the guarantee reported (``"hidden-state"``, ``"random-stop"`` or
+        ``"composition"``).
+      reason: why this analysis.
+      delta: the δ of every ε.
+      steps_done: steps accounted for.
+      positions: int array ``1..n``.
+      epsilon: the reported ε per position (the best valid bound for ``analysis``).
+      composition: ε per position if every iterate were released (always valid).
+      amplified: ε per position of the amplified analysis (best of contraction,
+        iteration, strongly convex and composition; for random stopping, Theorem 5 and
+        composition), or ``None`` when its assumptions do not hold.
+      by_analysis: every analysis computed, name → ε per position.
+      unused: records never used (ε = 0), not included in ``positions``.
+      exact: False when the bound is a conservative stand-in (mid-pass after the first
+        pass: composition over the pass in progress).
+    """
+
+    analysis: str
+    reason: str
+    delta: float
+    steps_done: int
+    positions: np.ndarray
+    epsilon: np.ndarray
+    composition: np.ndarray
+    amplified: np.ndarray | None
+    by_analysis: dict
+    unused: int
+    exact: bool
+
+    def summary(self, values: np.ndarray | None = None) -> dict[str, float]:
+        """Best (smallest), median and worst (largest) ε over the positions."""
+        v = np.asarray(self.epsilon if values is None else values, dtype=np.float64)
+        if v.size == 0:
+            return {"best": 0.0, "median": 0.0, "worst": 0.0}
+        return {"best": float(np.min(v)), "median": float(np.median(v)), "worst": float(np.max(v))}
+
+    def record_epsilon(self, order) -> np.ndarray:
+        """ε per record of the original data set: ``order[p-1]`` is the record at position p.
+
+        Records never used get 0.
+        """
+        order = np.asarray(order)
+        out = np.zeros(order.shape[0], dtype=np.float64)
+        out[order[: self.epsilon.shape[0]]] = self.epsilon
+        return out
+
+    def table(self) -> str:
+        """A text table: best / median / worst ε over positions for each analysis."""
+        rows = [("analysis", "best", "median", "worst")]
+        for name, values in self.by_analysis.items():
+            s = self.summary(values)
+            rows.append((name, *(_fmt(s[k]) for k in ("best", "median", "worst"))))
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                 for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        head = (f"epsilon per record position at delta={self.delta:g} after {self.steps_done} steps; "
+                f"reported: {self.analysis}")
+        tail = [f"reason: {self.reason}"]
+        if self.unused:
+            tail.append(f"{self.unused} record(s) never used (epsilon = 0), not listed")
+        if not self.exact:
+            tail.append("mid-pass: composition over the pass in progress (exact bounds at pass ends)")
+        return "\n".join([head, *lines, *tail])
+
+
+def _fmt(x: float) -> str:
+    if math.isinf(x):
+        return "inf"
+    if math.isnan(x):
+        return "nan"
+    return f"{x:.4g}"
+
+
+# ----------------------------------------------------------------------------------------
+# The one place that calls the hidden-state accountant.
+# ----------------------------------------------------------------------------------------
+
+
+def _pnsgd_epsilons(*, lipschitz, smoothness, strong_convexity, lr, noise_std, diameter, records,
+                    batch_size, passes, delta, positions, amplified: bool) -> dict[str, np.ndarray]:
+    """ε per position from :func:`jaxdp.accounting._pnsgd.pnsgd_privacy` (the only call site).
+
+    ``noise_std`` is the absolute std σ of the noise on the averaged gradient, i.e.
+    ``pnsgd_noise_std(ν, C, b)``. With ``amplified=False`` only the composition bound is
+    returned; it depends on neither β nor η nor D, so a stand-in smoothness ``1/η`` (which
+    makes the step valid) is passed when β is unknown.
+    """
+    from ..accounting._pnsgd import pnsgd_privacy
+
+    if not amplified or smoothness is None:
+        smoothness, strong_convexity = 1.0 / float(lr), 0.0
+    out = pnsgd_privacy(
+        lipschitz=float(lipschitz), smoothness=float(smoothness), lr=float(lr), sigma=float(noise_std),
+        diameter=float(diameter), steps=int(records), delta=float(delta),
+        strong_convexity=float(strong_convexity), batch_size=int(batch_size), passes=int(passes),
+        positions=positions,
+    )
+    if not amplified:
+        return {"composition": np.asarray(out.composition, np.float64)}
+    return {name: np.asarray(getattr(out, name), np.float64)
+            for name in ("contraction", "iteration", "strongly_convex", "composition", "best")}
+
+
+def _stop_epsilons(ledger: PrivacyLedger) -> np.ndarray:
+    """Theorem 5 (random stopping), exact sum per batch position, expanded to records.
+
+    Batches are the steps: a step's averaged gradient has sensitivity 2L/b_j, so Theorem 5
+    (stated for b = 1) applies with Lipschitz constant L/b_min, conservatively with the
+    smallest batch.
+    """
+    from ..accounting._contraction import step_contraction, stop_pnsgd_contraction_epsilon
+
+    n, b, m = ledger.records, ledger.batch_size, ledger.steps_per_pass
+    b_min = min(b, n - (m - 1) * b)
+    contraction = float(step_contraction(ledger.learning_rate, ledger.smoothness, ledger.strong_convexity))
+    eps_batch = np.asarray(stop_pnsgd_contraction_epsilon(
+        ledger.delta, m, ledger.lipschitz / b_min, ledger.noise_std, ledger.learning_rate,
+        ledger.diameter, contraction, position=np.arange(1, m + 1, dtype=np.float64)), np.float64)
+    return eps_batch[(np.arange(n) // b)]
+
+
+def privacy_report(ledger: PrivacyLedger) -> PrivacyReport:
+    r"""ε per record position for the steps recorded in ``ledger``.
+
+    With :math:`s` steps done, :math:`m` steps per pass, :math:`s = pm + t`:
+
+    * :math:`p = 0` (first pass): the run so far is PNSGD over the first
+      :math:`\min(tb, n)` records, one pass; later records have ε = 0.
+    * :math:`t = 0`: :math:`p` full passes in the same order.
+    * otherwise (inside a later pass): the composition bound with :math:`p + 1` uses for
+      every record (valid, conservative; ``exact=False``).
+
+    For ``"random_stop"`` the guarantee of the released (randomly stopped) iterate is
+    reported whatever the progress: it does not depend on the drawn :math:`T`.
+
+    Args:
+      ledger: a :class:`PrivacyLedger` (e.g. ``result.state.ledger``).
+
+    Returns:
+      :class:`PrivacyReport`.
+
+    References:
+      Feldman, Mironov, Talwar, Thakurta, "Privacy amplification by iteration" (FOCS 2018),
+      Thm 23; Asoodeh, Diaz, Calmon, "Privacy amplification of iterative algorithms via
+      contraction coefficients" (ISIT 2020), Thms 4 and 5.
+
+    Examples:
+      >>> led = PrivacyLedger(analysis="hidden-state", reason="convex", convex=True, lipschitz=2.0,
+      ...     smoothness=1.0, strong_convexity=0.0, learning_rate=1.0, noise_multiplier=2.0,
+      ...     noise_std=2.0, clip_norm=2.0, lipschitz_bound=2.0, diameter=2.0, records=8, unused=0,
+      ...     batch_size=4, passes=1, steps_per_pass=2, schedule="fixed", seed=0, total_steps=2,
+      ...     steps_done=2, delta=1e-5, clipped=0, max_grad_norm=1.5, intermediates_released=False)
+      >>> rep = privacy_report(led)
+      >>> rep.positions.tolist()
+      [1, 2, 3, 4, 5, 6, 7, 8]
+      >>> bool(rep.epsilon[0] < rep.epsilon[-1] <= rep.composition[-1])
+      True
+    """
+    n, b, m = ledger.records, ledger.batch_size, ledger.steps_per_pass
+    positions = np.arange(1, n + 1)
+    s = int(ledger.steps_done)
+    amplified_ok = ledger.analysis != _COMPOSITION
+    common = dict(lipschitz=ledger.lipschitz, smoothness=ledger.smoothness,
+                  strong_convexity=ledger.strong_convexity, lr=ledger.learning_rate,
+                  noise_std=ledger.noise_std, diameter=ledger.diameter, batch_size=b, delta=ledger.delta)
+    exact = True
+    if ledger.schedule == "random_stop":
+        # The released iterate's guarantee: every record possibly used once.
+        comp = _pnsgd_epsilons(**common, records=n, passes=1, positions=positions, amplified=False)
+        comp = comp["composition"]
+        by = {"composition": comp}
+        amp = None
+        if amplified_ok:
+            stop = _stop_epsilons(ledger)
+            amp = np.minimum(stop, comp)
+            by = {"random-stop (Thm 5)": stop, "composition": comp, "best": amp}
+        eps = amp if amp is not None else comp
+        return PrivacyReport(ledger.analysis, ledger.reason, ledger.delta, s, positions, eps, comp,
+                             amp, by, ledger.unused, exact)
+    p, t = divmod(s, m)
+    if s == 0:
+        zeros = np.zeros(n)
+        by = {"composition": zeros} if not amplified_ok else {"best": zeros, "composition": zeros}
+        return PrivacyReport(ledger.analysis, ledger.reason, ledger.delta, s, positions, zeros, zeros,
+                             None if not amplified_ok else zeros, by, ledger.unused, exact)
+    if p == 0:
+        seen = min(t * b, n)
+        # Same positions shape every call (one compilation); positions past `seen` are
+        # evaluated at `seen` and then set to 0 (not used yet).
+        pos = np.minimum(positions, seen).astype(np.float64)
+        by = _pnsgd_epsilons(**common, records=seen, passes=1, positions=pos, amplified=amplified_ok)
+        by = {k: np.where(positions <= seen, v, 0.0) for k, v in by.items()}
+    elif t == 0:
+        by = _pnsgd_epsilons(**common, records=n, passes=p, positions=positions.astype(np.float64),
+                             amplified=amplified_ok)
+    else:
+        exact = False
+        by = _pnsgd_epsilons(**common, records=n, passes=p + 1, positions=positions.astype(np.float64),
+                             amplified=False)
+    comp = by["composition"]
+    amp = by.get("best")
+    eps = amp if (amp is not None and exact) else comp
+    analysis = ledger.analysis if exact else _COMPOSITION
+    reason = ledger.reason if exact else "mid-pass after the first pass; " + ledger.reason
+    return PrivacyReport(analysis, reason, ledger.delta, s, positions, eps, comp, amp if exact else None, by,
+                         ledger.unused, exact)
