@@ -92,6 +92,22 @@ def _check_position(position, steps) -> None:
             raise ValueError(f"position must be in 1..steps; got position {pb:g} with steps {sb:g}.")
 
 
+def _run_valid(lip, sig, eta, dia, m_c):
+    """Traced validity of the run parameters shared by every PNSGD bound (NaN otherwise)."""
+    return (
+        (lip >= 0)
+        & jnp.isfinite(lip)
+        & (sig > 0)
+        & jnp.isfinite(sig)
+        & (eta > 0)
+        & jnp.isfinite(eta)
+        & (dia > 0)
+        & jnp.isfinite(dia)
+        & (m_c >= 0)
+        & (m_c <= 1)
+    )
+
+
 def _is_int(x: jax.Array, lo: float = 1.0) -> jax.Array:
     return (x >= lo) & (x == jnp.floor(x)) & jnp.isfinite(x)
 
@@ -475,23 +491,7 @@ def _pnsgd_setup(position, steps, lipschitz, sigma, lr, diameter, contraction, b
     pos, n, lip, sig, eta, dia, m_c, b, k = (
         f64(x) for x in (position, steps, lipschitz, sigma, lr, diameter, contraction, batch_size, passes)
     )
-    valid = (
-        _is_int(pos)
-        & _is_int(n)
-        & (pos <= n)
-        & (lip >= 0)
-        & jnp.isfinite(lip)
-        & (sig > 0)
-        & jnp.isfinite(sig)
-        & (eta > 0)
-        & jnp.isfinite(eta)
-        & (dia > 0)
-        & jnp.isfinite(dia)
-        & (m_c >= 0)
-        & (m_c <= 1)
-        & _is_int(b)
-        & _is_int(k)
-    )
+    valid = _is_int(pos) & _is_int(n) & (pos <= n) & _run_valid(lip, sig, eta, dia, m_c) & _is_int(b) & _is_int(k)
     j, m, b_eff = _batch_geometry(pos, n, b)
     sig_s = jnp.where(valid, sig, 1.0)
     eta_s = jnp.where(valid, eta, 1.0)
@@ -851,19 +851,7 @@ def pnsgd_laplace_delta(epsilon, position, steps, lipschitz, scale, lr, interval
 
 def _stop_setup(steps, lipschitz, sigma, lr, diameter, contraction, position):
     n, lip, sig, eta, dia, m_c = (f64(x) for x in (steps, lipschitz, sigma, lr, diameter, contraction))
-    valid = (
-        _is_int(n)
-        & (lip >= 0)
-        & jnp.isfinite(lip)
-        & (sig > 0)
-        & jnp.isfinite(sig)
-        & (eta > 0)
-        & jnp.isfinite(eta)
-        & (dia > 0)
-        & jnp.isfinite(dia)
-        & (m_c >= 0)
-        & (m_c <= 1)
-    )
+    valid = _is_int(n) & _run_valid(lip, sig, eta, dia, m_c)
     if position is None:
         count = None
     else:
