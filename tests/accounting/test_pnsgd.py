@@ -228,3 +228,12 @@ def test_cli_invalid_arguments(capsys, flag, value, name):
     assert run_pnsgd(_parse(argv)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("jaxdp: error:") and name in err[0]
+
+
+def test_nearly_zero_strong_convexity_stays_monotone():
+    # Regression: with ρ = 2.2e-16 the order search for the last two positions stopped
+    # early (16 iterations) and left position n-1 3e-8 above position n.
+    out = P.pnsgd_privacy(lipschitz=1.0, smoothness=1.0, lr=0.5, sigma=1.5, diameter=1.0, steps=40, delta=1e-3,
+                          strong_convexity=2.220446049250313e-16)
+    v = np.asarray(out.strongly_convex)
+    assert np.all(np.diff(v) >= -1e-12 * v[1:])
