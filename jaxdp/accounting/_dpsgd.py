@@ -63,7 +63,7 @@ def schedule_epsilon(q, sigma, steps, delta, orders=DEFAULT_ORDERS, *, method: s
     Examples:
       >>> import jaxdp
       >>> e = jaxdp.accounting.schedule_epsilon([0.01, 0.02], [1.0, 2.0], [1000, 500], 1e-5)
-      >>> bool(e > 0)
+      >>> float(e) > 0
       True
     """
     rdp = heterogeneous_rdp(orders, q, sigma, steps)
@@ -116,7 +116,7 @@ def calibrate_sigma(
     Examples:
       >>> import jaxdp
       >>> r = jaxdp.accounting.calibrate_sigma(1.0, 256 / 60000, 14040, 1e-5)
-      >>> bool(r.epsilon <= 1.0), round(float(r.sigma), 3)
+      >>> float(r.epsilon) <= 1.0, round(float(r.sigma), 3)
       (True, 2.178)
     """
     _validate.check_in_range("target_epsilon", target_epsilon, 0.0, math.inf, lo_open=True)
