@@ -34,7 +34,7 @@ _N_TAIL = 20
 # For αq ≤ this, (1-q)^α - 1 + αq is summed as its binomial series (no cancellation).
 _B2_SERIES_MAX_AQ = 0.5
 _B2_TERMS = 32  # k = 2 .. 33: truncation error below (0.5)^34/34! relative
-_CHUNK = 32  # configurations per chunk in large batches
+_CHUNK = 64  # configurations per chunk in large batches
 _ROUNDING_MARGIN_LOG = -46.0 * math.log(2.0)
 _NEG = -1e300  # stands for log 0 in masked entries (finite, so gradients stay finite)
 
@@ -238,16 +238,28 @@ def _log_am1_fractional(p: _FracPlan, q, log_q, log_1mq, sigma, z0):
     rows = p.frac_index[:, None] * g.shape[-1] + p.slice_start[:, None] + np.arange(n_i)[None, :]
     g_rows = jnp.take(g.reshape(g.shape[:-2] + (-1,)), rows, axis=-1)  # (..., n, I)
     right = lac_r + i * l1q[..., None] + g_rows
-    log_l, sign_l, mag_l = signed_logsumexp(left, p.w_left, axis=-1, return_abs=True)
-    log_l, mag_l = log_l + alpha * l1q, mag_l + alpha * l1q
-    log_r, sign_r, mag_r = signed_logsumexp(right, p.w_right, axis=-1, return_abs=True)
-    # Certified CRVZ error bounds: bound × (first tail term a_0, at i = i0), for each series.
+    log_l, sign_l = signed_logsumexp(left, p.w_left, axis=-1)
+    log_l = log_l + alpha * l1q
+    log_r, sign_r = signed_logsumexp(right, p.w_right, axis=-1)
+    # The first two tail terms a_0, a_1 (at i = i0, i0 + 1) of each series: a_0 scales the
+    # certified CRVZ error bound, and both bound the sum of magnitudes for the rounding
+    # margin below.
     i0 = p.i0
-    lac0 = p.log_abs_comb[np.arange(len(alpha)), i0]
-    first_left = lac0 + alpha * l1q + jnp.take(f, i0, axis=-1)
+    rows_n = np.arange(len(alpha))
+    g_flat = g.reshape(g.shape[:-2] + (-1,))
     flat = (p.frac_index * g.shape[-1] + p.slice_start + i0).astype(np.int64)
-    g_first = jnp.take(g.reshape(g.shape[:-2] + (-1,)), flat, axis=-1)
-    first_right = lac0 + i0 * l1q + g_first
+    tails = []
+    for shift in (0, 1):
+        lac = p.log_abs_comb[rows_n, i0 + shift]
+        tails.append((lac + alpha * l1q + jnp.take(f, i0 + shift, axis=-1),
+                      lac + (i0 + shift) * l1q + jnp.take(g_flat, flat + shift, axis=-1)))
+    (first_left, first_right), (second_left, second_right) = tails
+    # Σ|w_i| e_i ≤ S + a_0 + (N-1) a_1: the head terms are positive (so their sum is at most
+    # the signed sum S, whose tail part lies in [0, a_0]), and the tail magnitudes decrease
+    # with |w| ≤ 1. This avoids a second reduction over the series.
+    log_nm1 = math.log(_N_TAIL - 1)
+    mag_l = jnp.logaddexp(jnp.logaddexp(log_l, first_left), second_left + log_nm1)
+    mag_r = jnp.logaddexp(jnp.logaddexp(log_r, first_right), second_right + log_nm1)
     log_bound = math.log(p.tail_bound)
     # Closed-form pieces (shape (..., n)).
     qq = q[..., None]
@@ -275,14 +287,21 @@ def _log_am1_fractional(p: _FracPlan, q, log_q, log_1mq, sigma, z0):
     # (the i = 2 term cancels against B_left). Adding 2^-46 of that magnitude (≈ 70 terms
     # and exponents up to ~500 in size) keeps the result an upper bound: it costs < 1e-10
     # relative for σ ≤ 50 and makes extreme σ (≥ 1e4) conservative rather than wrong.
-    mags = jnp.stack([mag_l, mag_r, pieces[..., 2], pieces[..., 3], log_p3, log_p4, log_p6a, log_p6b], axis=-1)
-    log_margin = jax.scipy.special.logsumexp(mags, axis=-1) + _ROUNDING_MARGIN_LOG
-    pieces = jnp.concatenate([pieces, log_margin[..., None]], axis=-1)
-    weights = jnp.concatenate([weights, ones[..., None]], axis=-1)
-    log_total, sign = signed_logsumexp(pieces, weights, axis=-1)
-    # A_α - 1 > 0 for 0 < q < 1; a non-positive sum means the value is below the rounding
-    # noise of its pieces and cannot be certified: report +inf rather than a guess.
-    return jnp.where(sign > 0, log_total, jnp.inf)
+    log_t, sign_t, log_mp = signed_logsumexp(pieces, weights, axis=-1, return_abs=True)
+    # Σ of magnitudes: the pieces' own, plus what the two series' signed sums hide.
+    log_mag = jnp.logaddexp(log_mp, jnp.logaddexp(mag_l, mag_r))
+    log_margin = log_mag + _ROUNDING_MARGIN_LOG
+    # A_α - 1 ≤ T + margin, with T the signed total. A_α - 1 > 0 for 0 < q < 1; if T is so
+    # negative that T + margin ≤ 0, the value is below the rounding noise of its pieces and
+    # cannot be certified: +inf rather than a guess.
+    neg = sign_t < 0
+    gap = jnp.where(neg & (log_t < log_margin), log_t - log_margin, -1.0)  # < 0 where used
+    log_up = jnp.where(
+        neg,
+        log_margin + jnp.log(-jnp.expm1(gap)),
+        jnp.logaddexp(jnp.where(sign_t > 0, log_t, -jnp.inf), log_margin),
+    )
+    return jnp.where(neg & ~(log_t < log_margin), jnp.inf, log_up)
 
 
 @float64
