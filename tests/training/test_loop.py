@@ -111,6 +111,23 @@ def test_digits_softmax_reaches_stated_accuracy_at_stated_epsilon(digits):
     assert res.intermediates is None
 
 
+def test_digits_logistic_reaches_stated_accuracy_at_epsilon_below_one(digits):
+    """Logistic regression (odd vs even digit): ≥ 75 % test accuracy at ε ≤ 1 for every record.
+
+    b = 64, ν = 6, 20 passes, η = 0.1, R = 10, δ = 1e-5. Measured: 77.2 % (seed 0; seeds
+    1-3: 78.6-82.2 %), ε best/median/worst 0.619/0.634/0.914 vs composition 3.12.
+    """
+    binary = digits._replace(y_train=digits.y_train % 2, y_test=digits.y_test % 2, num_classes=2)
+    res = train(LogisticRegression(64, rngs=nnx.Rngs(0)), binary, learning_rate=0.1, noise_multiplier=6.0,
+                radius=10.0, batch_size=64, passes=20, progress=False)
+    rep = res.privacy
+    s = rep.summary()
+    assert res.test_accuracy >= 0.75
+    assert rep.analysis == "hidden-state" and res.state.ledger.clipped == 0
+    assert s["worst"] <= 1.0 and s["median"] <= 0.65
+    assert np.min(rep.composition) >= 3.0
+
+
 def _digits_ledger(**kw):
     base = dict(analysis="hidden-state", reason="convex", convex=True, lipschitz=2.0, smoothness=1.0,
                 strong_convexity=0.0, learning_rate=1.0, noise_multiplier=1.0, noise_std=2 * 2.0 / 64,
