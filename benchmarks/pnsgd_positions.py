@@ -22,7 +22,7 @@ import numpy as np
 from jaxdp.accounting._contraction import pnsgd_contraction_epsilon
 from jaxdp.accounting._pnsgd import pnsgd_privacy
 
-RUN = dict(lipschitz=1.0, smoothness=1.0, lr=0.5, sigma=1.0, diameter=1.0, strong_convexity=0.2, delta=1e-5)
+RUN = dict(lipschitz=1.0, smoothness=1.0, lr=0.5, noise_std=1.0, diameter=1.0, strong_convexity=0.2, delta=1e-5)
 
 
 def _time(fn, repeats):
@@ -54,10 +54,10 @@ def main(argv=None) -> int:
             m = float(step_contraction(RUN["lr"], RUN["smoothness"], RUN["strong_convexity"]))
             pos = np.arange(1, n + 1)
             _, base = _time(
-                lambda: pnsgd_contraction_epsilon(RUN["delta"], pos, n, RUN["lipschitz"], RUN["sigma"], RUN["lr"], RUN["diameter"], m),
+                lambda: pnsgd_contraction_epsilon(RUN["delta"], pos, n, RUN["lipschitz"], RUN["noise_std"], RUN["lr"], RUN["diameter"], m),
                 1,
             )
-            ref = np.asarray(pnsgd_contraction_epsilon(RUN["delta"], pos, n, RUN["lipschitz"], RUN["sigma"], RUN["lr"], RUN["diameter"], m))
+            ref = np.asarray(pnsgd_contraction_epsilon(RUN["delta"], pos, n, RUN["lipschitz"], RUN["noise_std"], RUN["lr"], RUN["diameter"], m))
             assert np.allclose(np.asarray(out.contraction), ref, rtol=1e-9, atol=1e-12)
             base_s, ratio = f"{base:14.3f}", f"{base / steady:7.1f}"
         else:

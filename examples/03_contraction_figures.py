@@ -35,16 +35,16 @@ from jaxdp.accounting._contraction import log_pnsgd_contraction_delta  # noqa: E
 from jaxdp.accounting._iteration import strongly_convex_iteration_rdp  # noqa: E402
 
 N = 40
-FIG2 = dict(lipschitz=1.0, sigma=2.0, lr=0.5, diameter=1.0, contraction=1.0, positions=(1, 20, 39))
-FIG3 = dict(lipschitz=1.0, sigma=1.0, lr=0.7, diameter=1.0, contraction=math.sqrt(1 - 2 * 0.7 * 0.3 * 0.4 / 0.7), positions=(20, 30, 39))
+FIG2 = dict(lipschitz=1.0, noise_std=2.0, lr=0.5, diameter=1.0, contraction=1.0, positions=(1, 20, 39))
+FIG3 = dict(lipschitz=1.0, noise_std=1.0, lr=0.7, diameter=1.0, contraction=math.sqrt(1 - 2 * 0.7 * 0.3 * 0.4 / 0.7), positions=(20, 30, 39))
 
 
 def curves(fig, eps, i):
     """(log10 δ of Theorem 4, log10 δ̃ of Proposition 1) on the ε grid."""
     log_d4 = np.asarray(
-        log_pnsgd_contraction_delta(eps, i, N, fig["lipschitz"], fig["sigma"], fig["lr"], fig["diameter"], fig["contraction"])
+        log_pnsgd_contraction_delta(eps, i, N, fig["lipschitz"], fig["noise_std"], fig["lr"], fig["diameter"], fig["contraction"])
     )
-    kappa = float(strongly_convex_iteration_rdp([2.0], i, N, fig["lipschitz"], fig["sigma"], fig["contraction"])[0]) / 2.0
+    kappa = float(strongly_convex_iteration_rdp([2.0], i, N, fig["lipschitz"], fig["noise_std"], fig["contraction"])[0]) / 2.0
     # Eq. (15) in logs (δ̃ underflows float64 at large ε): −(ε − κ)²/(4κ) for ε > κ, else 0.
     log_dp = np.where(eps > kappa, -((eps - kappa) ** 2) / (4 * kappa), 0.0)
     return log_d4 / math.log(10), log_dp / math.log(10), kappa

@@ -35,7 +35,9 @@ def add_pnsgd_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--lipschitz", type=float, required=True, help="L: bound on every per-record gradient norm")
     p.add_argument("--smoothness", type=float, required=True, help="beta > 0: smoothness of the loss")
     p.add_argument("--lr", type=float, required=True, help="learning rate eta, 0 < eta < 2/(beta + rho)")
-    p.add_argument("--sigma", type=float, required=True, help="std of the Gaussian noise on the (averaged) gradient")
+    p.add_argument("--noise-std", "--sigma", dest="noise_std", type=float, required=True,
+                   help="standard deviation of the Gaussian noise on the (averaged) gradient, an absolute scale, "
+                        "not a noise multiplier (--sigma is an older alias)")
     p.add_argument("--diameter", type=float, required=True, help="diameter D > 0 of the constraint set")
     p.add_argument("--steps", type=int, required=True, help="number of records n (one pass)")
     p.add_argument("--delta", type=float, required=True, help="target delta in (0, 1)")
@@ -84,7 +86,7 @@ def run_pnsgd(args) -> int:
         ("--lipschitz", args.lipschitz, lambda v: v >= 0, "must be ≥ 0"),
         ("--smoothness", args.smoothness, lambda v: v > 0, "must be > 0"),
         ("--lr", args.lr, lambda v: v > 0, "must be > 0"),
-        ("--sigma", args.sigma, lambda v: v > 0, "must be > 0"),
+        ("--noise-std", args.noise_std, lambda v: v > 0, "must be > 0"),
         ("--diameter", args.diameter, lambda v: v > 0, "must be > 0"),
         ("--steps", args.steps, lambda v: v >= 1, "must be ≥ 1"),
         ("--delta", args.delta, lambda v: 0 < v < 1, "must be in (0, 1)"),
@@ -112,7 +114,7 @@ def run_pnsgd(args) -> int:
             lipschitz=args.lipschitz,
             smoothness=args.smoothness,
             lr=args.lr,
-            sigma=args.sigma,
+            noise_std=args.noise_std,
             diameter=args.diameter,
             steps=int(args.steps),
             delta=args.delta,
@@ -131,7 +133,7 @@ def run_pnsgd(args) -> int:
                 "smoothness": args.smoothness,
                 "strong_convexity": args.strong_convexity,
                 "lr": args.lr,
-                "sigma": args.sigma,
+                "noise_std": args.noise_std,
                 "diameter": args.diameter,
                 "steps": args.steps,
                 "batch_size": args.batch_size,
@@ -147,7 +149,7 @@ def run_pnsgd(args) -> int:
     else:
         mid_pos = results["best"]["median_position"]
         print(
-            f"PNSGD, n = {args.steps}, batch {args.batch_size}, passes {args.passes}, sigma = {args.sigma:g}, "
+            f"PNSGD, n = {args.steps}, batch {args.batch_size}, passes {args.passes}, noise std = {args.noise_std:g}, "
             f"delta = {args.delta:g}: epsilon per record position (hidden iterates)"
         )
         header = f"{'analysis':<16} {'first (i=1)':>12} {f'median (i={mid_pos})':>18} {f'last (i={args.steps})':>16} {'worst':>12}"
@@ -174,7 +176,7 @@ def run_pnsgd(args) -> int:
                 ax.plot(positions, y, label=name, lw=2.5 if name == "best" else 1.2, ls="--" if name == "best" else "-")
             ax.set_xlabel("record position i")
             ax.set_ylabel(f"epsilon at delta = {args.delta:g}")
-            ax.set_title(f"PNSGD, n = {args.steps}, sigma = {args.sigma:g}")
+            ax.set_title(f"PNSGD, n = {args.steps}, noise std = {args.noise_std:g}")
             ax.legend()
             fig.tight_layout()
             fig.savefig(args.plot, dpi=120)

@@ -30,7 +30,7 @@ from ._iteration import skip_pnsgd_iteration_rdp as skip_pnsgd_iteration_rdp
 from ._iteration import stop_pnsgd_iteration_rdp as stop_pnsgd_iteration_rdp
 from ._iteration import strongly_convex_iteration_rdp as strongly_convex_iteration_rdp
 from ._pnsgd import PNSGDPrivacy as PNSGDPrivacy
-from ._pnsgd import calibrate_pnsgd_sigma as calibrate_pnsgd_sigma
+from ._pnsgd import calibrate_pnsgd_noise_std as calibrate_pnsgd_noise_std
 from ._pnsgd import pnsgd_privacy as pnsgd_privacy
 from ._rdp import DEFAULT_ORDERS as DEFAULT_ORDERS
 from ._rdp import gaussian_rdp as gaussian_rdp
@@ -39,7 +39,7 @@ from ._rdp import sampled_gaussian_rdp as sampled_gaussian_rdp
 
 __all__ = [
     "DEFAULT_ORDERS",
-    "calibrate_pnsgd_sigma",
+    "calibrate_pnsgd_noise_std",
     "calibrate_sigma",
     "CalibrationResult",
     "DeltaResult",

@@ -14,7 +14,7 @@ broadcasts its array arguments, validates concrete inputs eagerly (``ValueError`
 the parameter), and gives NaN under ``jit`` for invalid inputs.
 
 Conventions: ``epsilon`` is :math:`ε = \log γ` (never γ, which overflows). The PNSGD update
-is :math:`Y ← Π_K(Y - η(∇ℓ(Y, x) + Z))`, :math:`Z \sim N(0, σ^2 I)`, so ``sigma`` is the
+is :math:`Y ← Π_K(Y - η(∇ℓ(Y, x) + Z))`, :math:`Z \sim N(0, σ^2 I)`, so ``noise_std`` is the
 noise standard deviation on the gradient and :math:`ησ` the one on the parameters.
 ``position`` is the 1-based index i of the record in the (fixed) processing order.
 """
@@ -461,10 +461,10 @@ def step_contraction(lr, smoothness, strong_convexity=0.0) -> jax.Array:
 # ---------------------------------------------------------------------------------------
 
 
-def _check_pnsgd(position, steps, lipschitz, sigma, lr, diameter, contraction, batch_size, passes) -> None:
+def _check_pnsgd(position, steps, lipschitz, noise_std, lr, diameter, contraction, batch_size, passes) -> None:
     _check_position(position, steps)
     _validate.check_in_range("lipschitz", lipschitz, 0.0, math.inf)
-    _validate.check_in_range("sigma", sigma, 0.0, math.inf, lo_open=True)
+    _validate.check_in_range("noise_std", noise_std, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("lr", lr, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("diameter", diameter, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("contraction", contraction, 0.0, 1.0)
@@ -486,10 +486,10 @@ def _batch_geometry(position, steps, batch_size):
     return j, m, b_eff
 
 
-def _pnsgd_setup(position, steps, lipschitz, sigma, lr, diameter, contraction, batch_size, passes):
+def _pnsgd_setup(position, steps, lipschitz, noise_std, lr, diameter, contraction, batch_size, passes):
     """Float64 arrays, validity mask, and (r_first, r_c, K): log δ = log θ(r_first) + K log θ(r_c)."""
     pos, n, lip, sig, eta, dia, m_c, b, k = (
-        f64(x) for x in (position, steps, lipschitz, sigma, lr, diameter, contraction, batch_size, passes)
+        f64(x) for x in (position, steps, lipschitz, noise_std, lr, diameter, contraction, batch_size, passes)
     )
     valid = _is_int(pos) & _is_int(n) & (pos <= n) & _run_valid(lip, sig, eta, dia, m_c) & _is_int(b) & _is_int(k)
     j, m, b_eff = _batch_geometry(pos, n, b)
@@ -548,7 +548,7 @@ _PNSGD_DOC_ASSUMPTIONS = """
 
 @float64
 def log_pnsgd_contraction_delta(
-    epsilon, position, steps, lipschitz, sigma, lr, diameter, contraction=1.0, *, batch_size=1, passes=1
+    epsilon, position, steps, lipschitz, noise_std, lr, diameter, contraction=1.0, *, batch_size=1, passes=1
 ) -> jax.Array:
     r"""log δ of :func:`pnsgd_contraction_delta` (finite when δ underflows).
 
@@ -562,22 +562,22 @@ def log_pnsgd_contraction_delta(
       -1179.2808
     """
     _validate.check_in_range("epsilon", epsilon, 0.0, math.inf, allow_inf=True)
-    _check_pnsgd(position, steps, lipschitz, sigma, lr, diameter, contraction, batch_size, passes)
-    args = (f64(x) for x in (epsilon, position, steps, lipschitz, sigma, lr, diameter, contraction, batch_size, passes))
+    _check_pnsgd(position, steps, lipschitz, noise_std, lr, diameter, contraction, batch_size, passes)
+    args = (f64(x) for x in (epsilon, position, steps, lipschitz, noise_std, lr, diameter, contraction, batch_size, passes))
     return _log_delta_core(*args)
 
 
 @jax.jit
-def _log_delta_core(eps, position, steps, lipschitz, sigma, lr, diameter, contraction, batch_size, passes):
+def _log_delta_core(eps, position, steps, lipschitz, noise_std, lr, diameter, contraction, batch_size, passes):
     valid, r_first, rc, later = _pnsgd_setup(
-        position, steps, lipschitz, sigma, lr, diameter, contraction, batch_size, passes
+        position, steps, lipschitz, noise_std, lr, diameter, contraction, batch_size, passes
     )
     return _nan_unless(valid & (eps >= 0), _log_delta_from(eps, r_first, rc, later))
 
 
 @float64
 def pnsgd_contraction_delta(
-    epsilon, position, steps, lipschitz, sigma, lr, diameter, contraction=1.0, *, batch_size=1, passes=1
+    epsilon, position, steps, lipschitz, noise_std, lr, diameter, contraction=1.0, *, batch_size=1, passes=1
 ) -> jax.Array:
     r"""δ(ε) of projected noisy SGD for the record at ``position`` (Theorem 4 and extensions).
 
@@ -623,7 +623,7 @@ def pnsgd_contraction_delta(
       position: 1-based index i of the record, integer in 1..``steps``.
       steps: number n of records (one pass has n records; with batch size 1, n steps).
       lipschitz: L ≥ 0, bound on every per-record gradient norm.
-      sigma: σ > 0, standard deviation of the Gaussian noise added to the (averaged)
+      noise_std: σ > 0, standard deviation of the Gaussian noise added to the (averaged)
         gradient (the parameter noise is ησ).
       lr: learning rate η > 0.
       diameter: D > 0, diameter of the constraint set.
@@ -646,7 +646,7 @@ def pnsgd_contraction_delta(
     """
     return jnp.exp(
         log_pnsgd_contraction_delta(
-            epsilon, position, steps, lipschitz, sigma, lr, diameter, contraction, batch_size=batch_size, passes=passes
+            epsilon, position, steps, lipschitz, noise_std, lr, diameter, contraction, batch_size=batch_size, passes=passes
         )
     )
 
@@ -709,7 +709,7 @@ def _check_delta_target(delta) -> None:
 
 @float64
 def pnsgd_contraction_epsilon(
-    delta, position, steps, lipschitz, sigma, lr, diameter, contraction=1.0, *, batch_size=1, passes=1
+    delta, position, steps, lipschitz, noise_std, lr, diameter, contraction=1.0, *, batch_size=1, passes=1
 ) -> jax.Array:
     r"""Smallest ε with :func:`pnsgd_contraction_delta` (ε) ≤ δ, per position.
 
@@ -723,7 +723,7 @@ def pnsgd_contraction_epsilon(
 
     Args:
       delta: target δ in (0, 1).
-      position, steps, lipschitz, sigma, lr, diameter, contraction, batch_size, passes:
+      position, steps, lipschitz, noise_std, lr, diameter, contraction, batch_size, passes:
         as in :func:`pnsgd_contraction_delta` (same assumptions: convex, L-Lipschitz,
         β-smooth, ρ-strongly convex loss, η < 2/(β+ρ), hidden iterates, fixed order).
 
@@ -740,15 +740,15 @@ def pnsgd_contraction_epsilon(
       2.754009076
     """
     _check_delta_target(delta)
-    _check_pnsgd(position, steps, lipschitz, sigma, lr, diameter, contraction, batch_size, passes)
-    args = (f64(x) for x in (delta, position, steps, lipschitz, sigma, lr, diameter, contraction, batch_size, passes))
+    _check_pnsgd(position, steps, lipschitz, noise_std, lr, diameter, contraction, batch_size, passes)
+    args = (f64(x) for x in (delta, position, steps, lipschitz, noise_std, lr, diameter, contraction, batch_size, passes))
     return _pnsgd_eps_core(*args)
 
 
 @jax.jit
-def _pnsgd_eps_core(dlt, position, steps, lipschitz, sigma, lr, diameter, contraction, batch_size, passes):
+def _pnsgd_eps_core(dlt, position, steps, lipschitz, noise_std, lr, diameter, contraction, batch_size, passes):
     valid, r_first, rc, later = _pnsgd_setup(
-        position, steps, lipschitz, sigma, lr, diameter, contraction, batch_size, passes
+        position, steps, lipschitz, noise_std, lr, diameter, contraction, batch_size, passes
     )
     valid = valid & (dlt > 0) & (dlt < 1)
     log_t = jnp.log(jnp.where(valid, dlt, 0.5))
@@ -849,8 +849,8 @@ def pnsgd_laplace_delta(epsilon, position, steps, lipschitz, scale, lr, interval
 # ---------------------------------------------------------------------------------------
 
 
-def _stop_setup(steps, lipschitz, sigma, lr, diameter, contraction, position):
-    n, lip, sig, eta, dia, m_c = (f64(x) for x in (steps, lipschitz, sigma, lr, diameter, contraction))
+def _stop_setup(steps, lipschitz, noise_std, lr, diameter, contraction, position):
+    n, lip, sig, eta, dia, m_c = (f64(x) for x in (steps, lipschitz, noise_std, lr, diameter, contraction))
     valid = _is_int(n) & _run_valid(lip, sig, eta, dia, m_c)
     if position is None:
         count = None
@@ -886,7 +886,7 @@ def _stop_log_delta(eps, r1, rc, n, count):
 
 @float64
 def stop_pnsgd_contraction_delta(
-    epsilon, steps, lipschitz, sigma, lr, diameter, contraction=1.0, *, position=None
+    epsilon, steps, lipschitz, noise_std, lr, diameter, contraction=1.0, *, position=None
 ) -> jax.Array:
     r"""δ(ε) of randomly stopped PNSGD (uniform stopping time on 1..n), Theorem 5.
 
@@ -911,7 +911,7 @@ def stop_pnsgd_contraction_delta(
       epsilon: ε ≥ 0.
       steps: n ≥ 1.
       lipschitz: L ≥ 0.
-      sigma: σ > 0 (gradient noise standard deviation).
+      noise_std: σ > 0 (gradient noise standard deviation).
       lr: η > 0.
       diameter: D > 0.
       contraction: M in [0, 1].
@@ -930,23 +930,23 @@ def stop_pnsgd_contraction_delta(
       0.015513708807
     """
     _validate.check_in_range("epsilon", epsilon, 0.0, math.inf, allow_inf=True)
-    _check_stop(steps, lipschitz, sigma, lr, diameter, contraction, position)
-    args = [f64(x) for x in (epsilon, steps, lipschitz, sigma, lr, diameter, contraction)]
+    _check_stop(steps, lipschitz, noise_std, lr, diameter, contraction, position)
+    args = [f64(x) for x in (epsilon, steps, lipschitz, noise_std, lr, diameter, contraction)]
     return _stop_delta_core(*args, None if position is None else f64(position))
 
 
 @jax.jit
-def _stop_delta_core(eps, steps, lipschitz, sigma, lr, diameter, contraction, position):
-    valid, r1, rc, n, count = _stop_setup(steps, lipschitz, sigma, lr, diameter, contraction, position)
+def _stop_delta_core(eps, steps, lipschitz, noise_std, lr, diameter, contraction, position):
+    valid, r1, rc, n, count = _stop_setup(steps, lipschitz, noise_std, lr, diameter, contraction, position)
     return _nan_unless(valid & (eps >= 0), jnp.exp(_stop_log_delta(eps, r1, rc, n, count)))
 
 
-def _check_stop(steps, lipschitz, sigma, lr, diameter, contraction, position) -> None:
+def _check_stop(steps, lipschitz, noise_std, lr, diameter, contraction, position) -> None:
     _check_integer("steps", steps)
     if position is not None:
         _check_position(position, steps)
     _validate.check_in_range("lipschitz", lipschitz, 0.0, math.inf)
-    _validate.check_in_range("sigma", sigma, 0.0, math.inf, lo_open=True)
+    _validate.check_in_range("noise_std", noise_std, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("lr", lr, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("diameter", diameter, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("contraction", contraction, 0.0, 1.0)
@@ -954,7 +954,7 @@ def _check_stop(steps, lipschitz, sigma, lr, diameter, contraction, position) ->
 
 @float64
 def stop_pnsgd_contraction_epsilon(
-    delta, steps, lipschitz, sigma, lr, diameter, contraction=1.0, *, position=None
+    delta, steps, lipschitz, noise_std, lr, diameter, contraction=1.0, *, position=None
 ) -> jax.Array:
     r"""Smallest ε with :func:`stop_pnsgd_contraction_delta` (ε) ≤ δ (Theorem 5 inverted).
 
@@ -965,7 +965,7 @@ def stop_pnsgd_contraction_epsilon(
 
     Args:
       delta: target δ in (0, 1).
-      steps, lipschitz, sigma, lr, diameter, contraction, position: as in
+      steps, lipschitz, noise_std, lr, diameter, contraction, position: as in
         :func:`stop_pnsgd_contraction_delta` (same assumptions).
 
     Returns:
@@ -981,14 +981,14 @@ def stop_pnsgd_contraction_epsilon(
       1.706621948
     """
     _check_delta_target(delta)
-    _check_stop(steps, lipschitz, sigma, lr, diameter, contraction, position)
-    args = [f64(x) for x in (delta, steps, lipschitz, sigma, lr, diameter, contraction)]
+    _check_stop(steps, lipschitz, noise_std, lr, diameter, contraction, position)
+    args = [f64(x) for x in (delta, steps, lipschitz, noise_std, lr, diameter, contraction)]
     return _stop_eps_core(*args, None if position is None else f64(position))
 
 
 @jax.jit
-def _stop_eps_core(dlt, steps, lipschitz, sigma, lr, diameter, contraction, position):
-    valid, r1, rc, n, count = _stop_setup(steps, lipschitz, sigma, lr, diameter, contraction, position)
+def _stop_eps_core(dlt, steps, lipschitz, noise_std, lr, diameter, contraction, position):
+    valid, r1, rc, n, count = _stop_setup(steps, lipschitz, noise_std, lr, diameter, contraction, position)
     valid = valid & (dlt > 0) & (dlt < 1)
     log_t = jnp.log(jnp.where(valid, dlt, 0.5))
     _, lcc0 = _log_theta_and_complement(jnp.zeros_like(rc), rc)

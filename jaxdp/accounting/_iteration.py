@@ -58,10 +58,10 @@ def _check_orders(orders) -> None:
     _validate.check_orders("orders", orders)
 
 
-def _check_common(position, steps, lipschitz, sigma) -> None:
+def _check_common(position, steps, lipschitz, noise_std) -> None:
     _check_position(position, steps)
     _validate.check_in_range("lipschitz", lipschitz, 0.0, math.inf)
-    _validate.check_in_range("sigma", sigma, 0.0, math.inf, lo_open=True)
+    _validate.check_in_range("noise_std", noise_std, 0.0, math.inf, lo_open=True)
 
 
 def _base_valid(pos, n, lip, sig):
@@ -116,7 +116,7 @@ def _with_orders(valid, c, orders):
 
 
 @float64
-def pnsgd_iteration_rdp(orders, position, steps, lipschitz, sigma, *, batch_size=1, passes=1) -> jax.Array:
+def pnsgd_iteration_rdp(orders, position, steps, lipschitz, noise_std, *, batch_size=1, passes=1) -> jax.Array:
     r"""Rényi DP of projected noisy SGD for the record at ``position`` (Feldman et al. Thm 23).
 
     One pass, batch size 1: the record processed at step i of n satisfies
@@ -163,7 +163,7 @@ def pnsgd_iteration_rdp(orders, position, steps, lipschitz, sigma, *, batch_size
       position: record index i in 1..``steps`` (integer), any shape ``B``.
       steps: number of records n ≥ 1 (integer).
       lipschitz: L ≥ 0.
-      sigma: σ > 0, standard deviation of the noise on the (averaged) gradient.
+      noise_std: σ > 0, standard deviation of the noise on the (averaged) gradient.
       batch_size: b ≥ 1 (integer).
       passes: k ≥ 1 (integer).
 
@@ -181,16 +181,16 @@ def pnsgd_iteration_rdp(orders, position, steps, lipschitz, sigma, *, batch_size
       [0.0784313725, 0.3921568627]
     """
     _check_orders(orders)
-    _check_common(position, steps, lipschitz, sigma)
+    _check_common(position, steps, lipschitz, noise_std)
     _check_integer("batch_size", batch_size)
     _check_integer("passes", passes)
-    pos, n, lip, sig, b, k = (f64(x) for x in (position, steps, lipschitz, sigma, batch_size, passes))
+    pos, n, lip, sig, b, k = (f64(x) for x in (position, steps, lipschitz, noise_std, batch_size, passes))
     valid, c = _pabi_coefficient(pos, n, lip, sig, b, k)
     return _with_orders(valid, c, orders)
 
 
 @float64
-def skip_pnsgd_iteration_rdp(orders, position, steps, lipschitz, sigma) -> jax.Array:
+def skip_pnsgd_iteration_rdp(orders, position, steps, lipschitz, noise_std) -> jax.Array:
     r"""Rényi DP of Skip-PNSGD for the record at ``position`` (Feldman et al. Thm 24).
 
     Skip-PNSGD draws a number t of leading records to skip and runs PNSGD on the rest. If
@@ -208,7 +208,7 @@ def skip_pnsgd_iteration_rdp(orders, position, steps, lipschitz, sigma) -> jax.A
       position: i in 1..n.
       steps: n ≥ 1.
       lipschitz: L ≥ 0.
-      sigma: σ > 0.
+      noise_std: σ > 0.
 
     Returns:
       float64, shape ``B + (k,)`` (NaN under ``jit`` for invalid inputs).
@@ -221,11 +221,11 @@ def skip_pnsgd_iteration_rdp(orders, position, steps, lipschitz, sigma) -> jax.A
       >>> round(float(jaxdp.accounting.skip_pnsgd_iteration_rdp([8.0], 5000, 10000, 1.0, 4.0)[0]), 12)
       0.000199960008
     """
-    return pnsgd_iteration_rdp(orders, position, steps, lipschitz, sigma)
+    return pnsgd_iteration_rdp(orders, position, steps, lipschitz, noise_std)
 
 
 @float64
-def stop_pnsgd_iteration_rdp(orders, steps, lipschitz, sigma, *, position=1, form: str = "harmonic") -> jax.Array:
+def stop_pnsgd_iteration_rdp(orders, steps, lipschitz, noise_std, *, position=1, form: str = "harmonic") -> jax.Array:
     r"""Rényi DP of Stop-PNSGD (uniformly random, hidden stopping time), Feldman et al. Thm 26.
 
     Stop-PNSGD draws t uniformly from {1, …, n}, runs t steps and releases :math:`w_t`.
@@ -261,7 +261,7 @@ def stop_pnsgd_iteration_rdp(orders, steps, lipschitz, sigma, *, position=1, for
       orders: α > 1, shape ``(k,)``.
       steps: n ≥ 1.
       lipschitz: L ≥ 0.
-      sigma: σ > 0.
+      noise_std: σ > 0.
       position: record index i in 1..n (default 1, the worst case: the bound is uniform
         over records when i = 1).
       form: ``"harmonic"`` or ``"logmeanexp"`` (static).
@@ -280,9 +280,9 @@ def stop_pnsgd_iteration_rdp(orders, steps, lipschitz, sigma, *, position=1, for
     """
     _validate.check_static_choice("form", form, _STOP_FORMS)
     _check_orders(orders)
-    _check_common(position, steps, lipschitz, sigma)
+    _check_common(position, steps, lipschitz, noise_std)
     orders = f64(orders)
-    pos, n, lip, sig = (f64(x)[..., None] for x in (position, steps, lipschitz, sigma))
+    pos, n, lip, sig = (f64(x)[..., None] for x in (position, steps, lipschitz, noise_std))
     valid = _base_valid(pos, n, lip, sig) & (orders > 1)
     sig_s = jnp.where(valid, sig, 1.0)
     n_s = jnp.where(valid, n, 1.0)
@@ -320,7 +320,7 @@ def stop_pnsgd_iteration_rdp(orders, steps, lipschitz, sigma, *, position=1, for
 
 @float64
 def strongly_convex_iteration_rdp(
-    orders, position, steps, lipschitz, sigma, contraction, *, batch_size=1, form: str = "proposition1"
+    orders, position, steps, lipschitz, noise_std, contraction, *, batch_size=1, form: str = "proposition1"
 ) -> jax.Array:
     r"""Rényi DP of PNSGD on a strongly convex loss (Balle et al. Thm 5, as quoted by Asoodeh et al.).
 
@@ -369,7 +369,7 @@ def strongly_convex_iteration_rdp(
       position: i in 1..n.
       steps: n ≥ 1.
       lipschitz: L ≥ 0.
-      sigma: σ > 0 (gradient noise).
+      noise_std: σ > 0 (gradient noise).
       contraction: M in [0, 1] from :func:`step_contraction`.
       batch_size: b ≥ 1.
       form: ``"proposition1"`` or ``"shifted"`` (static).
@@ -391,10 +391,10 @@ def strongly_convex_iteration_rdp(
     """
     _validate.check_static_choice("form", form, _SC_FORMS)
     _check_orders(orders)
-    _check_common(position, steps, lipschitz, sigma)
+    _check_common(position, steps, lipschitz, noise_std)
     _validate.check_in_range("contraction", contraction, 0.0, 1.0)
     _check_integer("batch_size", batch_size)
-    pos, n, lip, sig, m_c, b = (f64(x) for x in (position, steps, lipschitz, sigma, contraction, batch_size))
+    pos, n, lip, sig, m_c, b = (f64(x) for x in (position, steps, lipschitz, noise_std, contraction, batch_size))
     valid, c = _sc_coefficient(pos, n, lip, sig, m_c, b, form)
     return _with_orders(valid, c, orders)
 

@@ -4,7 +4,7 @@ r"""Per-record privacy of projected noisy SGD with hidden iterates: every analys
 given by the contraction-coefficient analysis (Asoodeh et al.), the amplification-by-
 iteration analysis (Feldman et al.), its strongly convex refinement (Balle et al.), the
 composition baseline that releases every iterate, and the best (smallest) of them.
-:func:`calibrate_pnsgd_sigma` finds the smallest noise meeting a target (ε, δ).
+:func:`calibrate_pnsgd_noise_std` finds the smallest noise meeting a target (ε, δ).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from ._contraction import (
 )
 from ._iteration import _linear_eps_masked, _pabi_coefficient, _sc_coefficient
 
-__all__ = ["PNSGDPrivacy", "pnsgd_privacy", "calibrate_pnsgd_sigma"]
+__all__ = ["PNSGDPrivacy", "pnsgd_privacy", "calibrate_pnsgd_noise_std"]
 
 _ANALYSES = ("best", "contraction", "iteration", "strongly_convex", "composition")
 _SC_FORMS = ("proposition1", "shifted")
@@ -79,9 +79,9 @@ class PNSGDPrivacy(NamedTuple):
     best: jax.Array
 
 
-def _validate_run(lipschitz, smoothness, lr, sigma, diameter, strong_convexity, batch_size, passes) -> None:
+def _validate_run(lipschitz, smoothness, lr, noise_std, diameter, strong_convexity, batch_size, passes) -> None:
     _validate.check_in_range("lipschitz", lipschitz, 0.0, math.inf)
-    _validate.check_in_range("sigma", sigma, 0.0, math.inf, lo_open=True)
+    _validate.check_in_range("noise_std", noise_std, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("diameter", diameter, 0.0, math.inf, lo_open=True)
     _check_step(lr, smoothness, strong_convexity)
     _check_integer("batch_size", batch_size)
@@ -250,7 +250,7 @@ def pnsgd_privacy(
     lipschitz,
     smoothness,
     lr,
-    sigma,
+    noise_std,
     diameter,
     steps,
     delta,
@@ -296,7 +296,7 @@ def pnsgd_privacy(
       lipschitz: L ≥ 0.
       smoothness: β > 0.
       lr: η with 0 < η < 2/(β + ρ).
-      sigma: σ > 0, noise standard deviation on the averaged gradient.
+      noise_std: σ > 0, noise standard deviation on the averaged gradient.
       diameter: D > 0.
       steps: n ≥ 1, number of records (a Python int when ``positions`` is None: it fixes
         the output shape).
@@ -319,7 +319,7 @@ def pnsgd_privacy(
 
     Examples:
       >>> import jaxdp
-      >>> out = jaxdp.accounting.pnsgd_privacy(lipschitz=1.0, smoothness=0.5, lr=0.5, sigma=2.0,
+      >>> out = jaxdp.accounting.pnsgd_privacy(lipschitz=1.0, smoothness=0.5, lr=0.5, noise_std=2.0,
       ...                                      diameter=1.0, steps=40, delta=1e-5)
       >>> [round(float(out.best[i]), 6) for i in (0, 38, 39)]
       [0.0, 2.754009, 4.377178]
@@ -327,7 +327,7 @@ def pnsgd_privacy(
       True
     """
     _validate.check_static_choice("strongly_convex_form", strongly_convex_form, _SC_FORMS)
-    _validate_run(lipschitz, smoothness, lr, sigma, diameter, strong_convexity, batch_size, passes)
+    _validate_run(lipschitz, smoothness, lr, noise_std, diameter, strong_convexity, batch_size, passes)
     _validate.check_in_range("delta", delta, 0.0, 1.0, lo_open=True, hi_open=True)
     if positions is None:
         if not isinstance(steps, (int, np.integer)) or isinstance(steps, bool):
@@ -350,7 +350,7 @@ def pnsgd_privacy(
         ("smoothness", smoothness),
         ("strong_convexity", strong_convexity),
         ("lr", lr),
-        ("sigma", sigma),
+        ("noise_std", noise_std),
         ("diameter", diameter),
         ("batch_size", batch_size),
         ("passes", passes),
@@ -373,7 +373,7 @@ def pnsgd_privacy(
         s["smoothness"],
         s["strong_convexity"],
         s["lr"],
-        s["sigma"],
+        s["noise_std"],
         s["diameter"],
         s["batch_size"],
         s["passes"],
@@ -418,7 +418,7 @@ def _feasible(log_sig, eps_t, log_dt, pos, n, lip, beta, rho, eta, dia, b, k, an
 
 
 @float64
-def calibrate_pnsgd_sigma(
+def calibrate_pnsgd_noise_std(
     epsilon,
     delta,
     *,
@@ -477,7 +477,7 @@ def calibrate_pnsgd_sigma(
 
     Examples:
       >>> import jaxdp
-      >>> s = jaxdp.accounting.calibrate_pnsgd_sigma(1.0, 1e-5, lipschitz=1.0, smoothness=1.0, lr=0.5,
+      >>> s = jaxdp.accounting.calibrate_pnsgd_noise_std(1.0, 1e-5, lipschitz=1.0, smoothness=1.0, lr=0.5,
       ...                                            diameter=1.0, steps=1000)
       >>> round(float(s), 4)
       7.4613

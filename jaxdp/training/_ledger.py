@@ -225,7 +225,7 @@ def _pnsgd_epsilons(*, lipschitz, smoothness, strong_convexity, lr, noise_std, d
     if not amplified or smoothness is None:
         smoothness, strong_convexity = 1.0 / float(lr), 0.0
     out = pnsgd_privacy(
-        lipschitz=float(lipschitz), smoothness=float(smoothness), lr=float(lr), sigma=float(noise_std),
+        lipschitz=float(lipschitz), smoothness=float(smoothness), lr=float(lr), noise_std=float(noise_std),
         diameter=float(diameter), steps=int(records), delta=float(delta),
         strong_convexity=float(strong_convexity), batch_size=int(batch_size), passes=int(passes),
         positions=positions,

@@ -264,12 +264,13 @@ def pnsgd(learning_rate, noise_multiplier, clip_norm, radius, key, batch_size: i
 
     The hidden-state accountants (``jaxdp.accounting``; Feldman et al. Thm 23) are
     parametrised instead by the *absolute* standard deviation :math:`\sigma` of the noise
-    on the averaged gradient and the Lipschitz constant :math:`L`, with sensitivity
+    on the averaged gradient (their argument ``noise_std``) and the Lipschitz constant
+    :math:`L`, with sensitivity
     :math:`2L/b` (PABI notes: ":math:`\sigma` is the std of the noise added to the
     gradient; the noise std in parameter space is :math:`\eta\sigma`"). So call
-    ``jaxdp.accounting.pnsgd_privacy(lipschitz=C, sigma=pnsgd_noise_std(ν, C, b),
+    ``jaxdp.accounting.pnsgd_privacy(lipschitz=C, noise_std=pnsgd_noise_std(ν, C, b),
     batch_size=b, lr=η, diameter=2R, ...)``; conversely a :math:`\sigma` from
-    ``calibrate_pnsgd_sigma`` gives :math:`\nu = \sigma b / (2C)`. At :math:`b = 1` the
+    ``calibrate_pnsgd_noise_std`` gives :math:`\nu = \sigma b / (2C)`. At :math:`b = 1` the
     per-index bound of the notes becomes
 
     .. math::

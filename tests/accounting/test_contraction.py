@@ -239,8 +239,8 @@ def test_theorem3_strongly_convex_and_last_record_caveat():
     assert float(C.pnsgd_laplace_delta(0.5, 9, 10, 1.0, 2.0, 0.25, 0.25)) == 0.0
 
 
-FIG2 = dict(lipschitz=1.0, sigma=2.0, lr=0.5, diameter=1.0, contraction=1.0)
-FIG3 = dict(lipschitz=1.0, sigma=1.0, lr=0.7, diameter=1.0, contraction=math.sqrt(0.76))
+FIG2 = dict(lipschitz=1.0, noise_std=2.0, lr=0.5, diameter=1.0, contraction=1.0)
+FIG3 = dict(lipschitz=1.0, noise_std=1.0, lr=0.7, diameter=1.0, contraction=math.sqrt(0.76))
 
 
 @pytest.mark.parametrize(
@@ -318,14 +318,14 @@ def test_jit_vmap_agree():
 
 
 def test_eager_errors_name_the_parameter():
-    args = dict(lipschitz=1.0, sigma=1.0, lr=0.5, diameter=1.0)
+    args = dict(lipschitz=1.0, noise_std=1.0, lr=0.5, diameter=1.0)
     with pytest.raises(ValueError, match="position"):
         C.pnsgd_contraction_delta(1.0, 41, 40, **args)
     with pytest.raises(ValueError, match="position"):
         C.pnsgd_contraction_delta(1.0, 0, 40, **args)
     with pytest.raises(ValueError, match="diameter"):
         C.pnsgd_contraction_delta(1.0, 1, 40, 1.0, 1.0, 0.5, 0.0)
-    with pytest.raises(ValueError, match="sigma"):
+    with pytest.raises(ValueError, match="noise_std"):
         C.pnsgd_contraction_delta(1.0, 1, 40, 1.0, -1.0, 0.5, 1.0)
     with pytest.raises(ValueError, match="contraction"):
         C.pnsgd_contraction_delta(1.0, 1, 40, 1.0, 1.0, 0.5, 1.0, 1.5)
@@ -356,16 +356,16 @@ def test_invalid_inputs_under_jit_give_nan_and_valid_ones_agree():
 @given(
     e1=st.floats(0.0, 8.0),
     e2=st.floats(0.0, 8.0),
-    sigma=st.floats(0.3, 5.0),
+    noise_std=st.floats(0.3, 5.0),
     m=st.floats(0.0, 1.0),
     k1=st.integers(0, 60),
     k2=st.integers(0, 60),
 )
-def test_delta_monotone_in_epsilon_and_later_steps(e1, e2, sigma, m, k1, k2):
+def test_delta_monotone_in_epsilon_and_later_steps(e1, e2, noise_std, m, k1, k2):
     lo, hi = min(e1, e2), max(e1, e2)
     a, b = min(k1, k2), max(k1, k2)
     n = 61
-    d = lambda e, later: float(C.log_pnsgd_contraction_delta(e, n - later, n, 1.0, sigma, 0.5, 1.0, m))  # noqa: E731
+    d = lambda e, later: float(C.log_pnsgd_contraction_delta(e, n - later, n, 1.0, noise_std, 0.5, 1.0, m))  # noqa: E731
     assert _leq(d(hi, a), d(lo, a))
     assert _leq(d(lo, b), d(lo, a))
 
@@ -396,7 +396,7 @@ def test_minibatch_and_multipass_reduce_and_match_derivation():
 
 def _kappa(i, fig, n=40):
     """κ of Proposition 1 (statement version, with σ²), written from the paper."""
-    lip, sig, m = fig["lipschitz"], fig["sigma"], fig["contraction"]
+    lip, sig, m = fig["lipschitz"], fig["noise_std"], fig["contraction"]
     if i == n:
         return 2 * lip**2 / sig**2
     return 2 * lip**2 / ((n - i) * sig**2) * m ** (n - i + 1)

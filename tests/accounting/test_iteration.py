@@ -38,14 +38,14 @@ def _x64():
 
 
 @pytest.mark.parametrize(
-    "alpha,n,lip,sigma,i,want",
+    "alpha,n,lip,noise_std,i,want",
     [(2, 100, 1, 1, 1, 0.04), (2, 100, 1, 1, 50, 0.07843137255), (2, 100, 1, 1, 100, 4), (10, 100, 1, 1, 1, 0.2), (10, 100, 1, 1, 50, 0.3921568627), (10, 100, 1, 1, 100, 20), (8, 10000, 1, 4, 1, 1e-4), (8, 10000, 1, 4, 5000, 1.99960008e-4), (8, 10000, 1, 4, 10000, 1)],
 )
-def test_theorem23_vectors(alpha, n, lip, sigma, i, want):
-    got = float(I.pnsgd_iteration_rdp([alpha], i, n, lip, sigma)[0])
+def test_theorem23_vectors(alpha, n, lip, noise_std, i, want):
+    got = float(I.pnsgd_iteration_rdp([alpha], i, n, lip, noise_std)[0])
     assert got == pytest.approx(want, rel=RTOL_10)
-    assert got == pytest.approx(2 * alpha * lip**2 / (sigma**2 * (n - i + 1)), rel=RTOL_EXACT)
-    assert float(I.skip_pnsgd_iteration_rdp([alpha], i, n, lip, sigma)[0]) == got
+    assert got == pytest.approx(2 * alpha * lip**2 / (noise_std**2 * (n - i + 1)), rel=RTOL_EXACT)
+    assert float(I.skip_pnsgd_iteration_rdp([alpha], i, n, lip, noise_std)[0]) == got
 
 
 def test_theorem23_profile_and_shape():
@@ -56,14 +56,14 @@ def test_theorem23_profile_and_shape():
 
 
 @pytest.mark.parametrize(
-    "alpha,i,n,k,sigma,want",
+    "alpha,i,n,k,noise_std,want",
     [(2, 100, 100, 5, 1, 4.16), (2, 1, 100, 5, 1, 0.2), (2, 50, 100, 5, 1, 0.2384313725), (2, 3, 6, 3, 1, 2.333333333), (2, 6, 6, 3, 1, 5.333333333), (2, 1, 5, 4, 1, 3.2), (2, 2, 5, 4, 1, 3.4), (3, 4, 5, 4, 1, 6.6), (2, 5, 5, 4, 1, 6.4), (2, 1, 8, 2, 1, 1), (2, 7, 8, 2, 0.5, 10)],
 )
-def test_multi_epoch_vectors(alpha, i, n, k, sigma, want):
-    assert float(I.pnsgd_iteration_rdp([alpha], i, n, 1.0, sigma, passes=k)[0]) == pytest.approx(want, rel=RTOL_10)
+def test_multi_epoch_vectors(alpha, i, n, k, noise_std, want):
+    assert float(I.pnsgd_iteration_rdp([alpha], i, n, 1.0, noise_std, passes=k)[0]) == pytest.approx(want, rel=RTOL_10)
 
 
-def _theorem22_min(shifts, sigma=1.0):
+def _theorem22_min(shifts, noise_std=1.0):
     """min Σ a_t²/(2σ²) (per unit α) s.t. a ≥ 0, prefix sums of a ≤ prefix sums of s, equal at the end."""
     s = np.asarray(shifts, dtype=float)
     t = s.size
@@ -71,7 +71,7 @@ def _theorem22_min(shifts, sigma=1.0):
     cons = [{"type": "eq", "fun": lambda a: np.sum(a) - cs[-1]}]
     cons += [{"type": "ineq", "fun": (lambda a, j=j: cs[j] - np.sum(a[: j + 1]))} for j in range(t - 1)]
     a0 = np.full(t, cs[-1] / t)
-    res = optimize.minimize(lambda a: np.sum(a**2) / (2 * sigma**2), a0, bounds=[(0, None)] * t, constraints=cons, method="SLSQP", options={"ftol": 1e-14, "maxiter": 500})
+    res = optimize.minimize(lambda a: np.sum(a**2) / (2 * noise_std**2), a0, bounds=[(0, None)] * t, constraints=cons, method="SLSQP", options={"ftol": 1e-14, "maxiter": 500})
     assert res.success
     return res.fun
 
@@ -97,18 +97,18 @@ def test_batch1_pass1_reduce_exactly():
 
 
 @pytest.mark.parametrize(
-    "alpha,n,sigma,harm,lme",
+    "alpha,n,noise_std,harm,lme",
     [(2, 1000, 2, 0.01497094172, 0.008526703875), (2, 100, 2, 0.1037475504, 0.06072422062), (10, 10000, 14, 1.99747062e-4, 1.096804444e-4)],
 )
-def test_stop_pnsgd_vectors(alpha, n, sigma, harm, lme):
-    assert float(I.stop_pnsgd_iteration_rdp([alpha], n, 1.0, sigma)[0]) == pytest.approx(harm, rel=RTOL_10)
-    got = float(I.stop_pnsgd_iteration_rdp([alpha], n, 1.0, sigma, form="logmeanexp")[0])
+def test_stop_pnsgd_vectors(alpha, n, noise_std, harm, lme):
+    assert float(I.stop_pnsgd_iteration_rdp([alpha], n, 1.0, noise_std)[0]) == pytest.approx(harm, rel=RTOL_10)
+    got = float(I.stop_pnsgd_iteration_rdp([alpha], n, 1.0, noise_std, form="logmeanexp")[0])
     # Exact log-mean-exp by a direct sum; ours bounds the tail, so it is ≥ and very close.
-    y = (alpha - 1) * 2 * alpha / sigma**2
+    y = (alpha - 1) * 2 * alpha / noise_std**2
     exact = math.log1p(sum(math.expm1(y / t) for t in range(1, n + 1)) / n) / (alpha - 1)
     assert exact == pytest.approx(lme, rel=RTOL_10)
     assert exact * (1 - 1e-14) <= got <= exact * (1 + 1e-4)
-    assert got <= float(I.stop_pnsgd_iteration_rdp([alpha], n, 1.0, sigma)[0])
+    assert got <= float(I.stop_pnsgd_iteration_rdp([alpha], n, 1.0, noise_std)[0])
 
 
 def test_stop_pnsgd_profile_condition_and_pitfall():
@@ -204,7 +204,7 @@ def test_errors_nan_and_jit():
         I.pnsgd_iteration_rdp([2.0], 0, 10, 1.0, 1.0)
     with pytest.raises(ValueError, match="orders"):
         I.pnsgd_iteration_rdp([1.0], 1, 10, 1.0, 1.0)
-    with pytest.raises(ValueError, match="sigma"):
+    with pytest.raises(ValueError, match="noise_std"):
         I.pnsgd_iteration_rdp([2.0], 1, 10, 1.0, 0.0)
     with pytest.raises(ValueError, match="passes"):
         I.pnsgd_iteration_rdp([2.0], 1, 10, 1.0, 1.0, passes=0)

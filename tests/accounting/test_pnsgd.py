@@ -1,4 +1,4 @@
-"""pnsgd_privacy / calibrate_pnsgd_sigma and the ``jaxdp pnsgd`` command.
+"""pnsgd_privacy / calibrate_pnsgd_noise_std and the ``jaxdp pnsgd`` command.
 
 References (never jaxdp itself): mpmath at 50 digits (θ and its root for the
 contraction bound and the exact Gaussian mechanism), the improved RDP conversion over a
@@ -33,7 +33,7 @@ RTOL_EPS = 1e-9
 
 mp.mp.dps = 50
 
-FIG2 = dict(lipschitz=1.0, smoothness=0.5, lr=0.5, sigma=2.0, diameter=1.0, steps=40, delta=1e-5)
+FIG2 = dict(lipschitz=1.0, smoothness=0.5, lr=0.5, noise_std=2.0, diameter=1.0, steps=40, delta=1e-5)
 
 
 @pytest.fixture(autouse=True)
@@ -112,16 +112,16 @@ def test_best_is_min_and_at_least_one_step_gaussian(fig2_run):
 
 @settings(max_examples=12, deadline=None)
 @given(
-    sigma=st.floats(0.5, 4.0),
+    noise_std=st.floats(0.5, 4.0),
     diameter=st.floats(0.2, 3.0),
     rho=st.floats(0.0, 0.5),
     batch=st.integers(1, 6),
     passes=st.integers(1, 3),
     delta=st.sampled_from([1e-3, 1e-6]),
 )
-def test_properties_monotone_best_and_one_step(sigma, diameter, rho, batch, passes, delta):
+def test_properties_monotone_best_and_one_step(noise_std, diameter, rho, batch, passes, delta):
     out = P.pnsgd_privacy(
-        lipschitz=1.0, smoothness=1.0, lr=0.5, sigma=sigma, diameter=diameter, steps=40, delta=delta,
+        lipschitz=1.0, smoothness=1.0, lr=0.5, noise_std=noise_std, diameter=diameter, steps=40, delta=delta,
         strong_convexity=rho, batch_size=batch, passes=passes,
     )
     best = np.asarray(out.best)
@@ -135,19 +135,19 @@ def test_properties_monotone_best_and_one_step(sigma, diameter, rho, batch, pass
     # Never below the exact ε of one Gaussian step of the record's (last) batch.
     m = math.ceil(40 / batch)
     b_last = 40 - (m - 1) * batch
-    one_step = gaussian_eps_mp(2.0 / (b_last * sigma), delta)
+    one_step = gaussian_eps_mp(2.0 / (b_last * noise_std), delta)
     assert best[-1] >= one_step * (1 - 1e-12)
 
 
 def test_calibration_worst_record_is_gaussian():
-    s = float(P.calibrate_pnsgd_sigma(1.0, 1e-5, lipschitz=1.0, smoothness=1.0, lr=0.5, diameter=1.0, steps=1000))
+    s = float(P.calibrate_pnsgd_noise_std(1.0, 1e-5, lipschitz=1.0, smoothness=1.0, lr=0.5, diameter=1.0, steps=1000))
     assert theta_mp(1.0, 2.0 / s) <= 1e-5
     assert theta_mp(1.0, 2.0 / (s * (1 - 1e-9))) > 1e-5  # and it is the smallest such σ
 
 
 def test_calibration_per_position_contraction():
     pos = jnp.array([1, 30, 39, 40])
-    s = np.asarray(P.calibrate_pnsgd_sigma(1.0, 1e-5, lipschitz=1.0, smoothness=0.5, lr=0.5, diameter=1.0, steps=40, position=pos, analysis="contraction"))
+    s = np.asarray(P.calibrate_pnsgd_noise_std(1.0, 1e-5, lipschitz=1.0, smoothness=0.5, lr=0.5, diameter=1.0, steps=40, position=pos, analysis="contraction"))
     for i, sig in zip([1, 30, 39, 40], s):
         logd = lambda x: mp.log(theta_mp(1.0, 2 / x)) + (40 - i) * mp.log(theta_mp(1.0, 1 / (0.5 * x)))  # noqa: E731
         assert logd(sig) <= mp.log(1e-5)
@@ -164,12 +164,12 @@ def test_errors_name_the_parameter():
         P.pnsgd_privacy(**{**FIG2, "diameter": 0.0})
     with pytest.raises(ValueError, match="position"):
         P.pnsgd_privacy(**FIG2, positions=jnp.array([0, 3]))
-    with pytest.raises(ValueError, match="sigma"):
-        P.pnsgd_privacy(**{**FIG2, "sigma": jnp.array([1.0, 2.0])})
+    with pytest.raises(ValueError, match="noise_std"):
+        P.pnsgd_privacy(**{**FIG2, "noise_std": jnp.array([1.0, 2.0])})
     with pytest.raises(ValueError, match="delta"):
         P.pnsgd_privacy(**{**FIG2, "delta": 1.0})
     with pytest.raises(ValueError, match="analysis"):
-        P.calibrate_pnsgd_sigma(1.0, 1e-5, lipschitz=1.0, smoothness=1.0, lr=0.5, diameter=1.0, steps=10, analysis="x")
+        P.calibrate_pnsgd_noise_std(1.0, 1e-5, lipschitz=1.0, smoothness=1.0, lr=0.5, diameter=1.0, steps=10, analysis="x")
 
 
 def test_traced_invalid_inputs_give_nan(fig2_run):
@@ -178,12 +178,12 @@ def test_traced_invalid_inputs_give_nan(fig2_run):
     f64 = lambda x: jnp.asarray(x, jnp.float64)  # noqa: E731
     pos = jnp.arange(1, 41, dtype=jnp.float64)
 
-    def run(sigma=2.0, lr=0.5, diameter=1.0, delta=1e-5, rho=0.0):
-        args = [f64(x) for x in (40, 1.0, 0.5, rho, lr, sigma, diameter, 1, 1, delta)]
+    def run(noise_std=2.0, lr=0.5, diameter=1.0, delta=1e-5, rho=0.0):
+        args = [f64(x) for x in (40, 1.0, 0.5, rho, lr, noise_std, diameter, 1, 1, delta)]
         return np.asarray(P._privacy_core(pos, *args, sc_form="proposition1")[-1])
 
     np.testing.assert_array_equal(run(), np.asarray(fig2_run.best))
-    for bad in (dict(sigma=-1.0), dict(lr=4.0), dict(diameter=0.0), dict(delta=1.0), dict(rho=0.6)):
+    for bad in (dict(noise_std=-1.0), dict(lr=4.0), dict(diameter=0.0), dict(delta=1.0), dict(rho=0.6)):
         assert np.all(np.isnan(run(**bad))), bad
 
 
@@ -197,7 +197,7 @@ def _parse(argv):
     return parser.parse_args(argv)
 
 
-BASE = ["pnsgd", "--lipschitz", "1", "--smoothness", "0.5", "--lr", "0.5", "--sigma", "2", "--diameter", "1", "--steps", "40", "--delta", "1e-5"]
+BASE = ["pnsgd", "--lipschitz", "1", "--smoothness", "0.5", "--lr", "0.5", "--noise-std", "2", "--diameter", "1", "--steps", "40", "--delta", "1e-5"]
 
 
 def test_cli_json_and_table(capsys, tmp_path):
@@ -215,9 +215,15 @@ def test_cli_json_and_table(capsys, tmp_path):
     assert plot.exists() and plot.stat().st_size > 1000
 
 
+def test_cli_sigma_is_an_alias_of_noise_std():
+    """``--sigma`` (the issue's spelling) still parses, as the absolute noise std."""
+    argv = [("--sigma" if a == "--noise-std" else a) for a in BASE]
+    assert _parse(argv).noise_std == 2.0
+
+
 @pytest.mark.parametrize(
     "flag,value,name",
-    [("--lr", "4", "--lr"), ("--sigma", "0", "--sigma"), ("--diameter", "-1", "--diameter"), ("--delta", "1.5", "--delta"), ("--strong-convexity", "0.9", "--strong-convexity")],
+    [("--lr", "4", "--lr"), ("--noise-std", "0", "--noise-std"), ("--diameter", "-1", "--diameter"), ("--delta", "1.5", "--delta"), ("--strong-convexity", "0.9", "--strong-convexity")],
 )
 def test_cli_invalid_arguments(capsys, flag, value, name):
     argv = list(BASE)
@@ -233,7 +239,7 @@ def test_cli_invalid_arguments(capsys, flag, value, name):
 def test_nearly_zero_strong_convexity_stays_monotone():
     # Regression: with ρ = 2.2e-16 the order search for the last two positions stopped
     # early (16 iterations) and left position n-1 3e-8 above position n.
-    out = P.pnsgd_privacy(lipschitz=1.0, smoothness=1.0, lr=0.5, sigma=1.5, diameter=1.0, steps=40, delta=1e-3,
+    out = P.pnsgd_privacy(lipschitz=1.0, smoothness=1.0, lr=0.5, noise_std=1.5, diameter=1.0, steps=40, delta=1e-3,
                           strong_convexity=2.220446049250313e-16)
     v = np.asarray(out.strongly_convex)
     assert np.all(np.diff(v) >= -1e-12 * v[1:])
