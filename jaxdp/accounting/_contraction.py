@@ -278,7 +278,8 @@ def gaussian_hockey_stick(epsilon, r) -> jax.Array:
     sensitivity-to-noise ratio r, increasing in r and decreasing in ε;
     :math:`θ(ε, 0) = 0`, :math:`θ_1(r) = \mathrm{erf}(r / (2\sqrt2))` (total variation),
     :math:`θ → 1` as r → ∞. Gradients are finite at r = 0 and ε = 0
-    (:math:`∂θ/∂r = φ(ε/r - r/2)`, :math:`∂θ/∂ε = -e^ε Q(ε/r + r/2)`).
+    (:math:`∂θ/∂r = φ(ε/r - r/2)`, :math:`∂θ/∂ε = -e^ε Q(ε/r + r/2)`); at ε = r = 0,
+    :math:`∂θ/∂r` is the one-sided slope :math:`φ(0) = 1/\sqrt{2π}`.
 
     Args:
       epsilon: ε = log γ ≥ 0.
@@ -299,7 +300,12 @@ def gaussian_hockey_stick(epsilon, r) -> jax.Array:
     eps = f64(epsilon)
     r = f64(r)
     lt, _ = _theta_core(eps, r)
-    return _nan_unless((eps >= 0) & (r >= 0), jnp.exp(lt))
+    # At ε = 0, r = 0 the chain rule through log θ = −∞ gives 0, but θ(0, r) =
+    # erf(r/(2√2)) has the one-sided slope φ(0) = 1/√(2π) there (for ε > 0, θ is flat at
+    # r = 0). The term below is 0 in value and carries that slope.
+    origin = (eps == 0) & (r == 0)
+    slope = jnp.where(origin, math.exp(-_LOG_SQRT_2PI) * (r - jax.lax.stop_gradient(r)), 0.0)
+    return _nan_unless((eps >= 0) & (r >= 0), jnp.exp(lt) + slope)
 
 
 @float64

@@ -308,6 +308,21 @@ def test_inverse_gradient_matches_finite_differences():
     assert float(jax.grad(f2)(1.0)) == pytest.approx(fd2, rel=1e-6)
 
 
+def test_theta_gradient_at_the_origin_is_the_one_sided_slope():
+    """θ(0, r) = erf(r/(2√2)): slope 1/√(2π) at r = 0 (one-sided; r ≥ 0). For ε > 0, θ is
+    flat at r = 0, and θ(ε, 0) = 0 for every ε, so ∂θ/∂ε = 0 there."""
+    with jax.enable_x64(True):
+        d_r = jax.grad(C.gaussian_hockey_stick, 1)
+        d_e = jax.grad(C.gaussian_hockey_stick, 0)
+        want = 1.0 / math.sqrt(2.0 * math.pi)
+        assert float(d_r(0.0, 0.0)) == pytest.approx(want, rel=1e-14)
+        # One-sided finite difference from the closed form erf(h/(2√2))/h.
+        h = 1e-6
+        assert float(d_r(0.0, 0.0)) == pytest.approx(float(mp.erf(h / (2 * mp.sqrt(2))) / h), rel=1e-10)
+        assert float(d_r(0.5, 0.0)) == 0.0 and float(d_e(0.0, 0.0)) == 0.0
+        assert float(d_r(0.0, 1e-9)) == pytest.approx(want, rel=1e-12)
+
+
 def test_jit_vmap_agree():
     i = jnp.arange(1, 41)
     eager = C.pnsgd_contraction_delta(0.5, i, 40, 1.0, 1.0, 0.7, 1.0, 0.9)
