@@ -191,7 +191,9 @@ def _add_output(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="jaxdp", description="JAX-native differential-privacy accounting.")
+    parser = _Parser(prog="jaxdp", description="JAX-native differential-privacy accounting.",
+                     epilog="Compiled programs are kept in $XDG_CACHE_HOME/jaxdp/xla (~/.cache/jaxdp/xla) so that "
+                            "later runs start faster; set JAXDP_CACHE_DIR to another folder, or to 'off'.")
     from . import __version__
 
     parser.add_argument("--version", action="version", version=f"jaxdp {__version__}")
@@ -229,9 +231,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_CACHE_OFF = ("", "0", "off", "no", "none", "false")
+
+
+def _enable_compilation_cache() -> str | None:
+    """Turn on JAX's persistent compilation cache for this command; return its folder.
+
+    The accountants and the training step take seconds to compile and the command runs
+    them afresh in each process, so compiled programs are kept on disk: by default in
+    ``$XDG_CACHE_HOME/jaxdp/xla`` (``~/.cache/jaxdp/xla``). ``JAXDP_CACHE_DIR`` names
+    another folder, or turns the cache off with ``off`` (or ``0``, ``none``, empty).
+    If ``JAX_COMPILATION_CACHE_DIR`` is set, JAX's own setting is left alone. A folder
+    that cannot be created or written is skipped silently (the command just compiles).
+    Only the command does this; importing the library never changes JAX's settings.
+    """
+    choice = os.environ.get("JAXDP_CACHE_DIR")
+    if choice is not None and choice.strip().lower() in _CACHE_OFF:
+        return None
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return None
+    if choice is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        choice = os.path.join(base, "jaxdp", "xla")
+    path = os.path.abspath(os.path.expanduser(choice))
+    try:
+        os.makedirs(path, exist_ok=True)
+        if not os.access(path, os.W_OK):
+            return None
+    except OSError:
+        return None
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _enable_compilation_cache()
     try:
         return int(args.func(args) or 0)
     except (ValueError, TypeError) as exc:  # validation errors name the parameter

@@ -1,6 +1,7 @@
 """The jaxdp command: outputs against the library's references, one-line errors, exit codes."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -65,3 +66,20 @@ def test_console_script_no_traceback():
                            "--delta", "0.1"], capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("jaxdp: error: --sigma") and "Traceback" not in proc.stderr
+
+
+def test_compilation_cache_folder_and_switch(tmp_path):
+    """The command keeps compiled programs in JAXDP_CACHE_DIR, and 'off' writes nothing."""
+    argv = [sys.executable, "-m", "jaxdp", "calibrate", "--epsilon", "1", "--q", "0.01", "--steps", "1000",
+            "--delta", "1e-5", "--json"]
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    cache = tmp_path / "cache"
+    first = subprocess.run(argv, capture_output=True, text=True, env={**env, "JAXDP_CACHE_DIR": str(cache)})
+    assert first.returncode == 0, first.stderr
+    assert any(cache.iterdir())  # the calibration's compilation (> 0.5 s) was written
+    again = subprocess.run(argv, capture_output=True, text=True, env={**env, "JAXDP_CACHE_DIR": str(cache)})
+    assert again.returncode == 0 and json.loads(again.stdout) == json.loads(first.stdout)
+    off = tmp_path / "off"
+    proc = subprocess.run(argv, capture_output=True, text=True,
+                          env={**env, "JAXDP_CACHE_DIR": "off", "XDG_CACHE_HOME": str(off)})
+    assert proc.returncode == 0 and not off.exists()
