@@ -2,6 +2,7 @@ r"""One-call DP-SGD accounting and noise calibration (Poisson sampling, add/remo
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -128,10 +129,17 @@ def calibrate_sigma(
         raise ValueError(f"sigma_bounds must satisfy 0 < low < high < inf; got {sigma_bounds!r}.")
     if int(iterations) < 1:
         raise ValueError(f"iterations must be >= 1; got {iterations!r}.")
-    orders = _validate.concrete_orders(orders)
+    orders = tuple(float(a) for a in _validate.concrete_orders(orders))
     target, q, steps, delta = (f64(x) for x in (target_epsilon, q, steps, delta))
     target, q, steps, delta = jnp.broadcast_arrays(target, q, steps, delta)
+    return _calibrate_core(target, q, steps, delta, orders=orders, method=method, lo_s=float(lo_s),
+                           hi_s=float(hi_s), iterations=int(iterations))
 
+
+# Jitted once per static configuration: called eagerly, a fori_loop over a fresh closure
+# would be traced and compiled again at every call (1.5 s each).
+@functools.partial(jax.jit, static_argnames=("orders", "method", "lo_s", "hi_s", "iterations"))
+def _calibrate_core(target, q, steps, delta, orders, method, lo_s, hi_s, iterations):
     def eps_at(log_sigma):
         return dpsgd_epsilon(q, jnp.exp(log_sigma), steps, delta, orders=orders, method=method)
 
@@ -147,7 +155,7 @@ def calibrate_sigma(
         ok = e <= target
         return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi), jnp.where(ok, e, eps_hi)
 
-    lo, hi, eps_hi_final = jax.lax.fori_loop(0, int(iterations), body, (lo, hi, eps_hi))
+    lo, hi, eps_hi_final = jax.lax.fori_loop(0, iterations, body, (lo, hi, eps_hi))
     found = eps_hi <= target
     at_low = eps_lo <= target
     sigma = jnp.where(at_low, math.exp(math.log(lo_s)), jnp.exp(hi))
