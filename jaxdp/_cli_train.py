@@ -136,7 +136,8 @@ def _plot(path: str, report, title: str) -> None:
     cap = 10 * max(float(np.max(comp)), 1e-12)
     styles = {"best": ("C0", 2.2, "best (reported)"), "iteration": ("C1", 1.4, "amplification by iteration"),
               "contraction": ("C2", 1.2, "contraction coefficients"),
-              "random-stop (Thm 5)": ("C1", 1.2, "random stopping (Thm 5)"),
+              "random-stop (Thm 5)": ("C1", 1.2, "random stopping (Asoodeh Thm 5)"),
+              "random-stop (Thm 26)": ("C2", 1.2, "random stopping (Feldman Thm 26)"),
               "strongly_convex": ("C4", 1.0, "strongly convex"), "composition": ("C3", 1.6, "composition")}
     for name, values in report.by_analysis.items():
         v = np.asarray(values)

@@ -19,6 +19,7 @@ cannot be certified) under ``jit``.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -281,8 +282,13 @@ def stop_pnsgd_iteration_rdp(orders, steps, lipschitz, noise_std, *, position=1,
     _validate.check_static_choice("form", form, _STOP_FORMS)
     _check_orders(orders)
     _check_common(position, steps, lipschitz, noise_std)
-    orders = f64(orders)
-    pos, n, lip, sig = (f64(x)[..., None] for x in (position, steps, lipschitz, noise_std))
+    return _stop_rdp_core(f64(orders), f64(position), f64(steps), f64(lipschitz), f64(noise_std), form=form)
+
+
+@functools.partial(jax.jit, static_argnames=("form",))
+def _stop_rdp_core(orders, position, steps, lipschitz, noise_std, form):
+    # One compiled program (eager op-by-op dispatch took seconds on a first call).
+    pos, n, lip, sig = (x[..., None] for x in (position, steps, lipschitz, noise_std))
     valid = _base_valid(pos, n, lip, sig) & (orders > 1)
     sig_s = jnp.where(valid, sig, 1.0)
     n_s = jnp.where(valid, n, 1.0)

@@ -16,8 +16,9 @@ Which guarantee is reported:
   never acts (so each update is a gradient step on that loss; pitfall 3 of the PABI
   notes), and only the final iterate released.
 * ``"random-stop"``: one pass stopped after :math:`T \sim \mathrm{Uniform}\{1..m\}`
-  steps (:math:`m` batches), released :math:`Y_T` only: Theorem 5 of Asoodeh et al.
-  (exact sum, per position), or the single-use composition bound, whichever is smaller.
+  steps (:math:`m` batches), released :math:`Y_T` only: the smallest of Theorem 5 of
+  Asoodeh et al. (exact sum, per position), Theorem 26 of Feldman et al. (Stop-PNSGD)
+  and the single-use composition bound.
 * ``"composition"``: every iterate may be released, or the update is not known to be a
   contraction (non-convex model, clipping that acted, clip norm below the Lipschitz
   bound). Each record's :math:`k` uses are composed exactly (Gaussian mechanism with
@@ -141,8 +142,9 @@ class PrivacyReport(NamedTuple):
       epsilon: the reported ε per position (the best valid bound for ``analysis``).
       composition: ε per position if every iterate were released (always valid).
       amplified: ε per position of the amplified analysis (best of contraction,
-        iteration, strongly convex and composition; for random stopping, Theorem 5 and
-        composition), or ``None`` when its assumptions do not hold.
+        iteration, strongly convex and composition; for random stopping, Asoodeh et al.
+        Theorem 5, Feldman et al. Theorem 26 and composition), or ``None`` when its
+        assumptions do not hold.
       by_analysis: every analysis computed, name → ε per position.
       unused: records never used (ε = 0), not included in ``positions``.
       exact: False when the bound is a conservative stand-in (mid-pass after the first
@@ -236,22 +238,39 @@ def _pnsgd_epsilons(*, lipschitz, smoothness, strong_convexity, lr, noise_std, d
             for name in ("contraction", "iteration", "strongly_convex", "composition", "best")}
 
 
-def _stop_epsilons(ledger: PrivacyLedger) -> np.ndarray:
-    """Theorem 5 (random stopping), exact sum per batch position, expanded to records.
+def _stop_epsilons(ledger: PrivacyLedger) -> dict[str, np.ndarray]:
+    r"""ε per record of the randomly stopped run, by two analyses, expanded from batches.
 
-    Batches are the steps: a step's averaged gradient has sensitivity 2L/b_j, so Theorem 5
-    (stated for b = 1) applies with Lipschitz constant L/b_min, conservatively with the
-    smallest batch.
+    Batches are the steps: step :math:`j`'s averaged gradient has sensitivity
+    :math:`2L/b_j`, so each analysis (stated for :math:`b = 1`) applies with Lipschitz
+    constant :math:`L/b_{\min}` (conservatively, the smallest batch) and :math:`m` steps;
+    a record's position is its batch's index.
+
+    * ``"random-stop (Thm 5)"``: Asoodeh et al. Theorem 5, exact sum per position.
+    * ``"random-stop (Thm 26)"``: Feldman et al. Theorem 26 (Stop-PNSGD), in the
+      ``"logmeanexp"`` form of :func:`~jaxdp.accounting.stop_pnsgd_iteration_rdp` (no
+      condition on σ): given the stopping time :math:`T \ge j`, a record of batch
+      :math:`j` has :math:`D_α \le 2α(L/b)^2/(σ^2 (T - j + 1))` (Theorem 23 run for
+      :math:`T` steps), :math:`0` for :math:`T < j`, and the uniform mixture over
+      :math:`T` is bounded by Lemma 25. Converted to ε over ``DEFAULT_ORDERS`` with the
+      improved conversion.
     """
+    from ..accounting import DEFAULT_ORDERS, rdp_to_epsilon
     from ..accounting._contraction import step_contraction, stop_pnsgd_contraction_epsilon
+    from ..accounting._iteration import stop_pnsgd_iteration_rdp
 
     n, b, m = ledger.records, ledger.batch_size, ledger.steps_per_pass
     b_min = min(b, n - (m - 1) * b)
+    batches = np.arange(1, m + 1, dtype=np.float64)
     contraction = float(step_contraction(ledger.learning_rate, ledger.smoothness, ledger.strong_convexity))
-    eps_batch = np.asarray(stop_pnsgd_contraction_epsilon(
+    thm5 = np.asarray(stop_pnsgd_contraction_epsilon(
         ledger.delta, m, ledger.lipschitz / b_min, ledger.noise_std, ledger.learning_rate,
-        ledger.diameter, contraction, position=np.arange(1, m + 1, dtype=np.float64)), np.float64)
-    return eps_batch[(np.arange(n) // b)]
+        ledger.diameter, contraction, position=batches), np.float64)
+    rdp = stop_pnsgd_iteration_rdp(DEFAULT_ORDERS, m, ledger.lipschitz / b_min, ledger.noise_std,
+                                   position=batches, form="logmeanexp")
+    thm26 = np.asarray(rdp_to_epsilon(rdp, DEFAULT_ORDERS, ledger.delta).epsilon, np.float64)
+    record_batch = np.arange(n) // b
+    return {"random-stop (Thm 5)": thm5[record_batch], "random-stop (Thm 26)": thm26[record_batch]}
 
 
 def privacy_report(ledger: PrivacyLedger) -> PrivacyReport:
@@ -306,9 +325,9 @@ def privacy_report(ledger: PrivacyLedger) -> PrivacyReport:
         by = {"composition": comp}
         amp = None
         if amplified_ok:
-            stop = _stop_epsilons(ledger)
-            amp = np.minimum(stop, comp)
-            by = {"random-stop (Thm 5)": stop, "composition": comp, "best": amp}
+            by = _stop_epsilons(ledger)
+            amp = np.minimum(np.minimum(*by.values()), comp)
+            by.update({"composition": comp, "best": amp})
         eps = amp if amp is not None else comp
         return PrivacyReport(ledger.analysis, ledger.reason, ledger.delta, s, positions, eps, comp,
                              amp, by, ledger.unused, exact)

@@ -344,7 +344,8 @@ def train(
     order does not depend on the data. ``schedule="fixed"`` runs ``passes`` passes in that
     same order; ``schedule="random_stop"`` runs one pass and stops after
     :math:`T \sim \mathrm{Uniform}\{1, \dots, m\}` steps (drawn from ``k_stop``), as
-    Theorem 5 of Asoodeh et al. assumes; :math:`T` must stay secret. With
+    Theorem 5 of Asoodeh et al. and Theorem 26 of Feldman et al. assume; :math:`T` must
+    stay secret. With
     ``drop_remainder=True`` the last :math:`n \bmod b` positions are never used (ε = 0);
     otherwise they form a smaller last batch (larger sensitivity :math:`2C/b_{last}`, which
     the accountant takes into account).
@@ -438,7 +439,7 @@ def train(
     passes = int(passes)
     _validate.check_static_choice("schedule", schedule, _SCHEDULES)
     if schedule == "random_stop" and passes != 1:
-        raise ValueError(f"passes must be 1 with schedule='random_stop' (Theorem 5 is for one pass); got {passes}.")
+        raise ValueError(f"passes must be 1 with schedule='random_stop' (the random-stopping analyses are for one pass); got {passes}.")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise ValueError(f"seed must be an integer; got {seed!r}.")
     if clip_norm is not None:
