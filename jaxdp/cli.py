@@ -232,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _CACHE_OFF = ("", "0", "off", "no", "none", "false")
+_CACHE_MAX_BYTES = 512 * 2**20
 
 
 def _enable_compilation_cache() -> str | None:
@@ -241,7 +242,8 @@ def _enable_compilation_cache() -> str | None:
     them afresh in each process, so compiled programs are kept on disk: by default in
     ``$XDG_CACHE_HOME/jaxdp/xla`` (``~/.cache/jaxdp/xla``). ``JAXDP_CACHE_DIR`` names
     another folder, or turns the cache off with ``off`` (or ``0``, ``none``, empty).
-    If ``JAX_COMPILATION_CACHE_DIR`` is set, JAX's own setting is left alone. A folder
+    The folder is capped at 512 MiB (least recently used entries go first). If
+    ``JAX_COMPILATION_CACHE_DIR`` is set, JAX's own setting is left alone. A folder
     that cannot be created or written is skipped silently (the command just compiles).
     Only the command does this; importing the library never changes JAX's settings.
     """
@@ -264,6 +266,8 @@ def _enable_compilation_cache() -> str | None:
 
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    # Least-recently-used entries are evicted beyond this size (entries are 0.1-1 MB).
+    jax.config.update("jax_compilation_cache_max_size", _CACHE_MAX_BYTES)
     return path
 
 
