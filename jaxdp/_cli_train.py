@@ -42,6 +42,10 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
             "(logistic, softmax) clip at their Lipschitz bound, checked at run time; the MLP is not convex and "
             "gets the composition bound. Default: softmax regression on the bundled digits data."
         ),
+        epilog=(
+            "At epsilon <= 1 for every record (about 77%% test accuracy on odd vs even digits): "
+            "jaxdp train --model logistic --lr 0.1 --noise-multiplier 6 --passes 20 --radius 10"
+        ),
     )
     p.add_argument("--dataset", choices=_DATASETS, default="digits", help="data set (default: digits, bundled)")
     p.add_argument("--data-path", default=None, help="MNIST/Fashion-MNIST .npz file or IDX directory (never downloaded)")
