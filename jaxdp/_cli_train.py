@@ -43,7 +43,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
             "gets the composition bound. Default: softmax regression on the bundled digits data."
         ),
         epilog=(
-            "At epsilon <= 1 for every record (about 77%% test accuracy on odd vs even digits): "
+            "At epsilon <= 1 for every record (about 77% test accuracy on odd vs even digits): "
             "jaxdp train --model logistic --lr 0.1 --noise-multiplier 6 --passes 20 --radius 10"
         ),
     )
