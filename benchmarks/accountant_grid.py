@@ -115,7 +115,7 @@ def main(argv=None):
           f"min = {rel_da.min():.3e} (negative: dp_accounting's fractional-order upper bound is looser)")
     try:
         importlib.import_module("opacus")
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         print(f"opacus: not installed ({type(exc).__name__}); install the 'bench' extra")
         return 0
     orders = [float(o) for o in DEFAULT_ORDERS]

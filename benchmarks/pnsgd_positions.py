@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, jax {jax.__version__} ({jax.default_backend()})")
     print(f"{'n':>9} {'first call (s)':>15} {'steady (s)':>11} {'per position (µs)':>18} {'bisection (s)':>14} {'ratio':>7} {'best ε (i=1, n)':>22}")
     for n in args.sizes:
-        first, steady = _time(lambda: pnsgd_privacy(steps=n, **RUN).best, args.repeats)
+        first, steady = _time(lambda n=n: pnsgd_privacy(steps=n, **RUN).best, args.repeats)
         out = pnsgd_privacy(steps=n, **RUN)
         if n <= args.baseline_max:
             from jaxdp.accounting._contraction import step_contraction
@@ -54,7 +54,8 @@ def main(argv=None) -> int:
             m = float(step_contraction(RUN["lr"], RUN["smoothness"], RUN["strong_convexity"]))
             pos = np.arange(1, n + 1)
             _, base = _time(
-                lambda: pnsgd_contraction_epsilon(RUN["delta"], pos, n, RUN["lipschitz"], RUN["noise_std"], RUN["lr"], RUN["diameter"], m),
+                lambda pos=pos, n=n, m=m: pnsgd_contraction_epsilon(
+                    RUN["delta"], pos, n, RUN["lipschitz"], RUN["noise_std"], RUN["lr"], RUN["diameter"], m),
                 1,
             )
             ref = np.asarray(pnsgd_contraction_epsilon(RUN["delta"], pos, n, RUN["lipschitz"], RUN["noise_std"], RUN["lr"], RUN["diameter"], m))

@@ -27,12 +27,12 @@ import os
 import matplotlib
 
 matplotlib.use("Agg")
-import jax  # noqa: E402
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import matplotlib.pyplot as plt
+import numpy as np
 
-from jaxdp.accounting._contraction import log_pnsgd_contraction_delta  # noqa: E402
-from jaxdp.accounting._iteration import strongly_convex_iteration_rdp  # noqa: E402
+from jaxdp.accounting._contraction import log_pnsgd_contraction_delta
+from jaxdp.accounting._iteration import strongly_convex_iteration_rdp
 
 N = 40
 FIG2 = dict(lipschitz=1.0, noise_std=2.0, lr=0.5, diameter=1.0, contraction=1.0, positions=(1, 20, 39))

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -94,7 +95,7 @@ def signed_logsumexp(log_abs: jax.Array, signs: jax.Array, axis: int = -1, *, re
     return log_total, sign, log_mag
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def crvz_weights(n: int) -> tuple[np.ndarray, float]:
     r"""Weights of Cohen–Rodriguez Villegas–Zagier acceleration for alternating series.
 

@@ -11,7 +11,7 @@ import json
 import math
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 _EXIT_USAGE = 2
 
@@ -19,7 +19,7 @@ _EXIT_USAGE = 2
 class _Parser(argparse.ArgumentParser):
     """argparse that reports errors as one line (``jaxdp: error: ...``) and exits 2."""
 
-    def error(self, message: str):  # noqa: D401 - argparse API
+    def error(self, message: str):  # argparse's API
         self.exit(_EXIT_USAGE, f"jaxdp: error: {message}\n")
 
 

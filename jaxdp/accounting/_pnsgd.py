@@ -20,6 +20,7 @@ import numpy as np
 from .. import _validate
 from .._numerics import f64, float64
 from ._contraction import (
+    _SAFETY_REL,
     _batch_geometry,
     _check_integer,
     _check_position,
@@ -27,13 +28,12 @@ from ._contraction import (
     _eps_bracket,
     _is_int,
     _log_delta_from,
+    _log_delta_slope,
     _log_theta_and_complement,
     _log_theta_slope,
-    _safe_target,
-    _log_delta_slope,
-    _SAFETY_REL,
     _nan_unless,
     _pnsgd_setup,
+    _safe_target,
     _solve_eps,
     _step_valid,
 )

@@ -314,7 +314,7 @@ def _discover(loss_fn, model, x, y) -> list | None:
 
     try:
         out = jax.eval_shape(run, params, x, y)
-    except Exception:  # noqa: BLE001 - any tracing problem means: use the general path
+    except Exception:  # any tracing problem means: use the general path
         return None
     b = x.shape[0]
     if out.shape != (b,):

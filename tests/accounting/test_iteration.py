@@ -23,7 +23,7 @@ from scipy import optimize
 from jaxdp.accounting import _iteration as I
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from references import rdp_to_epsilon_improved  # noqa: E402
+from references import rdp_to_epsilon_improved
 
 # Vectors printed to 10 significant digits in the notes.
 RTOL_10 = 1e-9

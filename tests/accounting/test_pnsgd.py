@@ -26,7 +26,7 @@ from jaxdp._cli_pnsgd import add_pnsgd_parser, run_pnsgd
 from jaxdp.accounting import _pnsgd as P
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from references import rdp_to_epsilon_improved  # noqa: E402
+from references import rdp_to_epsilon_improved
 
 # Shared-grid inversion: candidate root + 1e-12 relative margin, certified exactly.
 RTOL_EPS = 1e-9
@@ -78,7 +78,7 @@ def test_fig2_contraction_against_mpmath(fig2_run):
     out = fig2_run
     for i in (1, 20, 30, 35, 38, 39, 40):
         k = 40 - i + 1  # r1 = rc = 1 in Fig. 2, so δ = θ(1)^{n−i+1}
-        ref = eps_root_mp(lambda e: k * mp.log(theta_mp(e, 1)), 1e-5)
+        ref = eps_root_mp(lambda e, k=k: k * mp.log(theta_mp(e, 1)), 1e-5)
         assert float(out.contraction[i - 1]) == pytest.approx(ref, rel=RTOL_EPS, abs=1e-12), i
     # Notes: i = 39 → 2.75400907565, i = 40 → 4.37717809568.
     assert float(out.contraction[38]) == pytest.approx(2.75400907565, rel=1e-10)
@@ -149,7 +149,7 @@ def test_calibration_per_position_contraction():
     pos = jnp.array([1, 30, 39, 40])
     s = np.asarray(P.calibrate_pnsgd_noise_std(1.0, 1e-5, lipschitz=1.0, smoothness=0.5, lr=0.5, diameter=1.0, steps=40, position=pos, analysis="contraction"))
     for i, sig in zip([1, 30, 39, 40], s):
-        logd = lambda x: mp.log(theta_mp(1.0, 2 / x)) + (40 - i) * mp.log(theta_mp(1.0, 1 / (0.5 * x)))  # noqa: E731
+        logd = lambda x, i=i: mp.log(theta_mp(1.0, 2 / x)) + (40 - i) * mp.log(theta_mp(1.0, 1 / (0.5 * x)))  # noqa: E731
         assert logd(sig) <= mp.log(1e-5)
         assert logd(sig * (1 - 1e-9)) > mp.log(1e-5)
     assert np.all(np.diff(s) >= 0)
