@@ -63,6 +63,37 @@ def log_ndtr(x: jax.Array) -> jax.Array:
     return jnp.where(x > cut, hi, lo)
 
 
+def take(x: jax.Array, indices, axis: int = -1) -> jax.Array:
+    """``jnp.take(x, indices, axis)`` for a static integer index array, safe in reverse mode.
+
+    The value is the same gather. Its derivative is built from static slices instead. The
+    reason: JAX transposes a gather into a scatter-add onto zeros made with ``lax.full``,
+    which, when the caller differentiates outside our float64 scope with x64 off, are
+    created as float32. The scatter then fails on mixed dtypes. Slices transpose to pads,
+    which keep the cotangent's dtype.
+    """
+    idx = np.asarray(indices, dtype=np.int64)
+    axis = axis % x.ndim
+    flat = idx.reshape(-1)
+    # Runs of consecutive indices become one slice each.
+    breaks = np.nonzero(np.diff(flat) != 1)[0] + 1
+    runs = [(int(r[0]), int(r[-1]) + 1) for r in np.split(flat, breaks)] if flat.size else []
+
+    @jax.custom_jvp
+    def gather(v):
+        return jnp.take(v, idx, axis=axis)
+
+    @gather.defjvp
+    def _gather_jvp(primals, tangents):
+        (v,), (t,) = primals, tangents
+        parts = [jax.lax.slice_in_dim(t, a, b, axis=axis) for a, b in runs]
+        picked = jnp.concatenate(parts, axis=axis) if parts else jnp.take(t, idx, axis=axis)
+        shape = t.shape[:axis] + idx.shape + t.shape[axis + 1:]
+        return gather(v), picked.reshape(shape)
+
+    return gather(x)
+
+
 def log_expm1(x: jax.Array) -> jax.Array:
     """``log(exp(x) - 1) = x + log(1 - e^{-x})`` for ``x > 0``, without overflow.
 
@@ -79,7 +110,10 @@ def signed_logsumexp(log_abs: jax.Array, signs: jax.Array, axis: int = -1, *, re
     (all ``-inf``) sum. With ``return_abs`` also ``log Σ |s_i| e^{a_i}``, the scale against
     which the rounding error of the signed sum is measured.
     """
-    m = jnp.max(log_abs, axis=axis, keepdims=True)
+    # The shift m cancels, so it carries no gradient. Differentiating the max would divide
+    # by the number of entries equal to it; under jit XLA may recompute those entries in
+    # another fusion, round them differently, find none equal, and give 0/0 = NaN.
+    m = jax.lax.stop_gradient(jnp.max(log_abs, axis=axis, keepdims=True))
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     e = jnp.exp(log_abs - m_safe)
     total = jnp.sum(signs * e, axis=axis)

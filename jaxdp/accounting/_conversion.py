@@ -94,13 +94,23 @@ def rdp_to_epsilon(rdp, orders, delta, *, method: str = "improved") -> EpsilonRe
 
 
 def _min_and_order(values, orders):
-    # (min over the last axis, the first order attaining it). Written with min-reductions
-    # rather than argmin, whose variadic reduce fails inside an x64 scope under an outer
-    # float32 jit.
-    v = jnp.where(jnp.isnan(values), jnp.inf, values)
-    best = jnp.min(v, axis=-1)
+    """(min over the last axis, the first order attaining it), with a safe derivative.
+
+    Written with min-reductions rather than argmin, whose variadic reduce fails inside an
+    x64 scope under an outer float32 jit. The value is the plain min. Its derivative is
+    that of the first minimising entry, picked by a select: the derivative of
+    ``jnp.min`` would instead multiply every entry's tangent by a 0/1 mask (so a NaN
+    tangent of an order where the value is +inf would poison the result) and divide by
+    the number of entries equal to the min (0/0 if XLA recomputed ``values`` with other
+    rounding in another fusion; the barrier keeps one materialised copy).
+    """
+    v = jax.lax.optimization_barrier(jnp.where(jnp.isnan(values), jnp.inf, values))
+    v_sg = jax.lax.stop_gradient(v)
+    best = jnp.min(v_sg, axis=-1)
     pos = jnp.arange(v.shape[-1], dtype=jnp.float64)
-    first = jnp.min(jnp.where(v == best[..., None], pos, jnp.inf), axis=-1)
+    first = jnp.min(jnp.where(v_sg == best[..., None], pos, jnp.inf), axis=-1)
+    hit = (pos == first[..., None]) & jnp.isfinite(v_sg)
+    best = best + jnp.sum(jnp.where(hit, v - v_sg, 0.0), axis=-1)  # + 0, carrying the tangent
     order = jnp.sum(jnp.where(pos == first[..., None], orders, 0.0), axis=-1)
     return best, order
 

@@ -102,6 +102,12 @@ def calibrate_sigma(
     If even ``sigma_bounds[1]`` misses the target, σ = +inf (not achievable in range).
     If ``sigma_bounds[0]`` already meets it, that lower bound is returned.
 
+    Derivatives (``jax.grad``, ``jax.jvp``) of σ with respect to the target, q, steps and δ
+    come from the implicit function theorem on ε(σ*) = target:
+    :math:`dσ^* = (d\,\text{target} - ∂_{q,T,δ}ε\cdot d(q,T,δ))/∂_σ ε`, and the returned ε
+    moves with the target. Where the target does not bind (σ at a bound, or +inf) σ is
+    locally constant.
+
     Args:
       target_epsilon: ε target > 0.
       q: sampling rate in [0, 1].
@@ -162,5 +168,19 @@ def _calibrate_core(target, q, steps, delta, orders, method, lo_s, hi_s, iterati
     eps = jnp.where(at_low, eps_lo, eps_hi_final)
     sigma = jnp.where(found, sigma, jnp.inf)
     eps = jnp.where(found, eps, jnp.inf)
+    # Derivatives by the implicit function theorem (the bisection itself has none): where
+    # the target binds, ε(σ*, q, T, δ) = target, so dσ* = (d target − ∂ε/∂(q, T, δ)·d(q, T, δ))
+    # / (∂ε/∂σ). The correction below is exactly 0 in value and carries that tangent.
+    sg = jax.lax.stop_gradient
+    binds = found & ~at_low
+    s_star = jnp.where(binds, sg(jnp.exp(hi)), 1.0)
+    e_star = dpsgd_epsilon(q, s_star, steps, delta, orders=orders, method=method)
+    _, de_ds = jax.jvp(lambda s: dpsgd_epsilon(sg(q), s, sg(steps), sg(delta), orders=orders, method=method),
+                       (s_star,), (jnp.ones_like(s_star),))
+    de_ds = sg(de_ds)
+    use = binds & jnp.isfinite(e_star) & jnp.isfinite(de_ds) & (de_ds < 0)
+    gap = e_star - target
+    sigma = sigma - jnp.where(use, (gap - sg(gap)) / jnp.where(use, de_ds, -1.0), 0.0)
+    eps = jnp.where(use, eps + (target - sg(target)), eps)
     valid = (target > 0) & (q >= 0) & (q <= 1) & (steps >= 0) & (delta > 0) & (delta < 1)
     return CalibrationResult(jnp.where(valid, sigma, jnp.nan), jnp.where(valid, eps, jnp.nan))

@@ -310,14 +310,29 @@ def _stop_rdp_core(orders, position, steps, lipschitz, noise_std, form):
     has_tail = count > h
     cnt_t = jnp.where(has_tail, count, h + 1.0)
     x0 = y_s / (h + 1.0)
-    # c2 = (e^{x0} − 1 − x0)/x0²; series for small x0 (the x0³/100 term bounds the remainder).
+    # log c2, c2 = (e^{x0} − 1 − x0)/x0²: a series for small x0 (the x0³/100 term bounds
+    # the remainder), e^{x0} − 1 − x0 directly up to x0 = 30, and beyond it
+    # x0 + log1p(−(1 + x0) e^{−x0}), so that nothing overflows: the tail stays finite (and
+    # so do its derivatives) however large y is.
     small = x0 < 1e-3
-    x0_b = jnp.where(small, 1.0, x0)
-    c2 = jnp.where(small, 0.5 + x0 / 6.0 + x0**2 / 24.0 + x0**3 / 100.0, (jnp.expm1(x0_b) - x0_b) / x0_b**2)
+    big = x0 > 30.0
+    x0_m = jnp.where(small | big, 1.0, x0)
+    x0_b = jnp.where(big, x0, 31.0)
+    log_c2 = jnp.where(
+        small,
+        jnp.log(0.5 + x0 / 6.0 + x0**2 / 24.0 + x0**3 / 100.0),
+        jnp.where(big, x0_b + jnp.log1p(-(1.0 + x0_b) * jnp.exp(-x0_b)), jnp.log(jnp.expm1(x0_m) - x0_m))
+        - 2.0 * jnp.log(jnp.where(small, 1.0, x0)),
+    )
     s1 = jax.scipy.special.digamma(cnt_t + 1.0) - jax.scipy.special.digamma(h + 1.0)
     s2 = jax.scipy.special.polygamma(1, h + 1.0) - jax.scipy.special.polygamma(1, cnt_t + 1.0)
-    tail = y_s * s1 + c2 * y_s**2 * jnp.maximum(s2, 0.0)
-    log_tail = jnp.where(has_tail & (tail > 0), jnp.log(jnp.where(tail > 0, tail, 1.0)), -jnp.inf)
+    # tail = y s1 + c2 y² s2 (s1 > 0 and s2 ≥ 0 when there is a tail), in logs.
+    s1_s = jnp.where(has_tail & (s1 > 0), s1, 1.0)
+    s2_pos = has_tail & (s2 > 0)
+    s2_s = jnp.where(s2_pos, s2, 1.0)
+    log_lin = jnp.log(y_s) + jnp.log(s1_s)
+    log_quad = jnp.where(s2_pos, log_c2 + 2.0 * jnp.log(y_s) + jnp.log(s2_s), -jnp.inf)
+    log_tail = jnp.where(has_tail & (s1 > 0), jnp.logaddexp(log_lin, log_quad), -jnp.inf)
     log_sum = jax.scipy.special.logsumexp(jnp.concatenate([head, log_tail[..., None]], axis=-1), axis=-1)
     rdp = jnp.logaddexp(0.0, log_sum - jnp.log(n_s)) / (alpha - 1.0)
     rdp = jnp.where(y_pos, rdp, 0.0)

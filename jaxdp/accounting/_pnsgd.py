@@ -170,7 +170,9 @@ def _contraction_eps_grid(r_first2, rc, later, sel, log_t):
     cand = e0 + t_hi * w
     cand = sg(jnp.minimum(cand + _MARGIN_REL * cand + _MARGIN_ABS, e1))
     # One exact evaluation (with its ε-derivative) certifies the candidate.
-    g = _log_delta_from(cand, r_first2[sel], rc, later) - log_t
+    # A select, not r_first2[sel]: a gather's transpose breaks reverse mode with x64 off.
+    r_sel = jnp.where(sel == 1, r_first2[1], r_first2[0])
+    g = _log_delta_from(cand, r_sel, rc, later) - log_t
     certified = sg(g + log_t) <= lt_s
     # ε-slope for the implicit gradient: the Hermite derivative at the candidate (used for
     # gradients only, never for the value).
@@ -238,7 +240,7 @@ def _privacy_core(pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt, sc_form):
         _eps_bracket(r_comp2, log_t),
         slope_fn=lambda e, r_, lt_: _log_delta_slope(e, r_, r_, zero2),
     )
-    eps_g = eps_g2[sel]
+    eps_g = jnp.where(sel == 1, eps_g2[1], eps_g2[0])
     best = jnp.minimum(jnp.minimum(eps_c, eps_i), jnp.minimum(eps_s, eps_g))
     nan = lambda x: _nan_unless(valid, x)  # noqa: E731
     return nan(eps_c), nan(eps_i), nan(eps_s), nan(eps_g), nan(best)
@@ -391,28 +393,41 @@ def pnsgd_privacy(
     )
 
 
-def _feasible(log_sig, eps_t, log_dt, pos, n, lip, beta, rho, eta, dia, b, k, analysis, sc_form):
-    """Whether the analysis certifies (ε_t, δ_t) at σ = exp(log_sig) (monotone in σ)."""
-    sig = jnp.exp(log_sig)
+def _constraints(sig, eps_t, log_dt, pos, n, lip, beta, rho, eta, dia, b, k, analysis, sc_form):
+    """Per analysis: (certified at σ, h(σ)) with h ≤ 0 the plain constraint, decreasing in σ.
+
+    The certification applies the safety margins (log target lowered by 1e-12 relative, ε
+    target by 1e-12); h, used only for derivatives, does not.
+    """
     _, m_c = _contraction_factor(eta, beta, rho)
     _, r_first, rc, later = _pnsgd_setup(pos, n, lip, sig, eta, dia, m_c, b, k)
     dt = jnp.exp(log_dt)
-    log_dt = _safe_target(log_dt)
-    eps_t = eps_t * (1.0 - _SAFETY_REL)  # RDP-based ε must beat the target with margin too
+    safe_log_dt = _safe_target(log_dt)
+    safe_eps_t = eps_t * (1.0 - _SAFETY_REL)  # RDP-based ε must beat the target with margin too
     out = {}
     if analysis in ("best", "contraction"):
-        out["contraction"] = _log_delta_from(eps_t, r_first, rc, later) <= log_dt
+        out["contraction"] = (_log_delta_from(safe_eps_t, r_first, rc, later) <= safe_log_dt,
+                              _log_delta_from(eps_t, r_first, rc, later) - log_dt)
     if analysis in ("best", "iteration"):
         v, c = _pabi_coefficient(pos, n, lip, sig, b, k)
-        out["iteration"] = _linear_eps_masked(c, dt, v, "improved") <= eps_t
+        e = _linear_eps_masked(c, dt, v, "improved")
+        out["iteration"] = (e <= safe_eps_t, e - eps_t)
     if analysis in ("best", "strongly_convex"):
         v, c = _sc_coefficient(pos, n, lip, sig, m_c, b, sc_form)
-        out["strongly_convex"] = (_linear_eps_masked(c, dt, v, "improved") <= eps_t) & (k <= 1)
+        e = _linear_eps_masked(c, dt, v, "improved")
+        out["strongly_convex"] = ((e <= safe_eps_t) & (k <= 1), e - eps_t)
     if analysis in ("best", "composition"):
         lt, _ = _log_theta_and_complement(eps_t, _composition_r(pos, n, lip, sig, b, k))
-        out["composition"] = lt <= log_dt
+        lt_safe, _ = _log_theta_and_complement(safe_eps_t, _composition_r(pos, n, lip, sig, b, k))
+        out["composition"] = (lt_safe <= safe_log_dt, lt - log_dt)
+    return out
+
+
+def _feasible(log_sig, eps_t, log_dt, pos, n, lip, beta, rho, eta, dia, b, k, analysis, sc_form):
+    """Whether the analysis certifies (ε_t, δ_t) at σ = exp(log_sig) (monotone in σ)."""
+    out = _constraints(jnp.exp(log_sig), eps_t, log_dt, pos, n, lip, beta, rho, eta, dia, b, k, analysis, sc_form)
     ok = None
-    for v in out.values():
+    for v, _ in out.values():
         ok = v if ok is None else (ok | v)
     return ok
 
@@ -448,6 +463,11 @@ def calibrate_pnsgd_noise_std(
     target at i = n meets it for all records. With one pass, the best bound at i = n is
     the exact one-step Gaussian mechanism, so σ* is then the analytic Gaussian calibration
     for sensitivity 2L/b_n.
+
+    Derivatives of σ* with respect to ε, δ and the run's constants come from the implicit
+    function theorem on the analysis that binds at σ* (the first certified one):
+    :math:`dσ^* = -∂h\cdot d(\ldots)/∂_σ h` with h its constraint (log δ(ε) − log δ, or
+    ε(σ) − ε).
 
     Assumptions: as :func:`pnsgd_privacy` (convex, L-Lipschitz, β-smooth, ρ-strongly
     convex loss; η < 2/(β+ρ); hidden intermediate iterates; fixed order).
@@ -550,8 +570,35 @@ def _calibrate_core(eps_t, dlt, pos, n, lip, beta, rho, eta, dia, b, k, analysis
         ok = feas(mid)
         return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
 
+    sg = jax.lax.stop_gradient
+    # The search runs on stopped values: its bracket moves with ε_t and the run's constants,
+    # which is not how σ* moves. Derivatives come from the implicit function theorem below.
+    lo0, hi0 = sg(lo0), sg(hi0)
     lo, hi = jax.lax.fori_loop(0, _SIGMA_ITERS, body, (lo0, hi0))
+    at_low, found = feas(lo0), feas(hi0)
     sig = jnp.exp(hi)
-    sig = jnp.where(feas(lo0), jnp.exp(lo0), sig)
-    sig = jnp.where(feas(hi0), sig, jnp.inf)
+    sig = jnp.where(at_low, jnp.exp(lo0), sig)
+    sig = jnp.where(found, sig, jnp.inf)
+    # Where the target binds, the first analysis certified at σ* has h(σ*, ε_t, ...) = 0 up to
+    # the bisection's width, so dσ* = −(∂h/∂(ε_t, L, η, D, ...)·d(...))/(∂h/∂σ). The
+    # correction is exactly 0 in value and carries that tangent.
+    binds = found & ~at_low
+    s_star = jnp.where(binds, sg(jnp.exp(hi)), 1.0)
+    args = (eps_t, log_dt, pos, n, lip, beta, rho, eta, dia, b, k)
+
+    def binding_h(s, *a):
+        cons = _constraints(s, *a, analysis, sc_form)
+        h = jnp.zeros_like(s)
+        taken = jnp.zeros(s.shape, bool)
+        for ok, h_a in cons.values():  # the first certified analysis, by a select
+            pick = ok & ~taken
+            h = jnp.where(pick, h_a, h)
+            taken = taken | pick
+        return jnp.where(taken, h, jnp.nan)
+
+    h = binding_h(s_star, *args)
+    _, dh_ds = jax.jvp(lambda s: binding_h(s, *(sg(a) for a in args)), (s_star,), (jnp.ones_like(s_star),))
+    dh_ds = sg(dh_ds)
+    use = binds & jnp.isfinite(h) & jnp.isfinite(dh_ds) & (dh_ds < 0)
+    sig = sig - jnp.where(use, (h - sg(h)) / jnp.where(use, dh_ds, -1.0), 0.0)
     return _nan_unless(valid, sig)

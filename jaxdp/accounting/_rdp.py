@@ -16,7 +16,7 @@ import numpy as np
 from scipy import special as _sp
 
 from .. import _validate
-from .._numerics import crvz_weights, f64, float64, log_expm1, log_ndtr, signed_logsumexp
+from .._numerics import crvz_weights, f64, float64, log_expm1, log_ndtr, signed_logsumexp, take
 
 __all__ = ["DEFAULT_ORDERS", "gaussian_rdp", "sampled_gaussian_rdp", "heterogeneous_rdp"]
 
@@ -236,7 +236,7 @@ def _log_am1_fractional(p: _FracPlan, q, log_q, log_1mq, sigma, z0):
     # Right series, term i: log|C(α,i)| + i log(1-q) + g(α - i).
     g = jg * lq[..., None] + (jg * jg - jg) * inv2s2[..., None] + lnd_g.reshape(batch + jg.shape)
     rows = p.frac_index[:, None] * g.shape[-1] + p.slice_start[:, None] + np.arange(n_i)[None, :]
-    g_rows = jnp.take(g.reshape(g.shape[:-2] + (-1,)), rows, axis=-1)  # (..., n, I)
+    g_rows = take(g.reshape(g.shape[:-2] + (-1,)), rows, axis=-1)  # (..., n, I)
     right = lac_r + i * l1q[..., None] + g_rows
     log_l, sign_l = signed_logsumexp(left, p.w_left, axis=-1)
     log_l = log_l + alpha * l1q
@@ -251,8 +251,8 @@ def _log_am1_fractional(p: _FracPlan, q, log_q, log_1mq, sigma, z0):
     tails = []
     for shift in (0, 1):
         lac = p.log_abs_comb[rows_n, i0 + shift]
-        tails.append((lac + alpha * l1q + jnp.take(f, i0 + shift, axis=-1),
-                      lac + (i0 + shift) * l1q + jnp.take(g_flat, flat + shift, axis=-1)))
+        tails.append((lac + alpha * l1q + take(f, i0 + shift, axis=-1),
+                      lac + (i0 + shift) * l1q + take(g_flat, flat + shift, axis=-1)))
     (first_left, first_right), (second_left, second_right) = tails
     # Σ|w_i| e_i ≤ S + a_0 + (N-1) a_1: the head terms are positive (so their sum is at most
     # the signed sum S, whose tail part lies in [0, a_0]), and the tail magnitudes decrease
@@ -402,7 +402,7 @@ def _sgm_rdp(plan: _Plan, orders_np: np.ndarray, q: jax.Array, sigma: jax.Array)
     # ε(α) = log(1 + (A_α - 1))/(α - 1), then one static permutation back to the caller's order.
     lam = jnp.concatenate(lams, axis=-1)
     out = jnp.logaddexp(0.0, lam) / (np.concatenate(alphas) - 1.0)
-    out = jnp.take(out, np.argsort(np.concatenate(positions)), axis=-1)
+    out = take(out, np.argsort(np.concatenate(positions)), axis=-1)
     orders_j = jnp.asarray(orders_np)
     full = orders_j / (2.0 * ss[..., None] ** 2)  # q = 1: the Gaussian mechanism
     out = jnp.where((q == 1)[..., None], full, out)
