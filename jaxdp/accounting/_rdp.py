@@ -369,8 +369,10 @@ def _sgm_rdp_jit(orders_key: tuple[float, ...], q: jax.Array, sigma: jax.Array) 
         return _sgm_rdp(plan, orders_np, q, sigma)
     # Large batches run in chunks that stay in cache (about 1.5x faster on CPU).
     n_pad = -(-n // _CHUNK) * _CHUNK
-    qf = jnp.pad(q.reshape(-1), (0, n_pad - n), constant_values=0.5)
-    sf = jnp.pad(sigma.reshape(-1), (0, n_pad - n), constant_values=1.0)
+    # Padded by concatenation, not jnp.pad: the transpose of a pad creates its zero as a
+    # NumPy scalar that becomes float32 when a caller differentiates with x64 off.
+    qf = jnp.concatenate([q.reshape(-1), jnp.full((n_pad - n,), 0.5, q.dtype)])
+    sf = jnp.concatenate([sigma.reshape(-1), jnp.full((n_pad - n,), 1.0, sigma.dtype)])
     out = jax.lax.map(lambda a: _sgm_rdp(plan, orders_np, a[0], a[1]), (qf.reshape(-1, _CHUNK), sf.reshape(-1, _CHUNK)))
     return out.reshape(n_pad, -1)[:n].reshape(q.shape + (plan.n_orders,))
 

@@ -119,3 +119,16 @@ def test_calibrated_epsilon_moves_with_the_target():
     with jax.enable_x64(True):
         d = jax.grad(lambda e: A.calibrate_sigma(e, 0.01, 1000, 1e-5, orders=SMALL).epsilon)(1.3)
     assert float(d) == pytest.approx(1.0, rel=1e-12)
+
+
+def test_grad_through_the_chunked_batch_path_with_x64_off():
+    """More than 64 configurations run in chunks (a padded lax.map); its padding must not
+    break reverse mode either (jnp.pad's transpose made a float32 zero)."""
+    s = np.linspace(0.8, 3.0, 100)
+    with jax.enable_x64(False):
+        g = np.asarray(jax.grad(lambda v: jnp.sum(A.sampled_gaussian_rdp(SMALL, 0.01, v)))(jnp.asarray(s)))
+    with jax.enable_x64(True):
+        step = 1e-6
+        fd = np.sum(np.asarray(A.sampled_gaussian_rdp(SMALL, 0.01, s + step))
+                    - np.asarray(A.sampled_gaussian_rdp(SMALL, 0.01, s - step)), axis=-1) / (2 * step)
+    np.testing.assert_allclose(g, fd, rtol=RTOL_X32, atol=1e-9)
