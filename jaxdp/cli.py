@@ -252,6 +252,10 @@ def _enable_compilation_cache() -> str | None:
         return None
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return None
+    try:  # JAX needs it to cap the cache's size (a dependency; without it, no cache)
+        import filelock  # noqa: F401
+    except ImportError:
+        return None
     if choice is None:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         choice = os.path.join(base, "jaxdp", "xla")
@@ -264,10 +268,10 @@ def _enable_compilation_cache() -> str | None:
         return None
     import jax
 
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     # Least-recently-used entries are evicted beyond this size (entries are 0.1-1 MB).
     jax.config.update("jax_compilation_cache_max_size", _CACHE_MAX_BYTES)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     return path
 
 
