@@ -146,6 +146,13 @@ def calibrate_sigma(
 # would be traced and compiled again at every call (1.5 s each).
 @functools.partial(jax.jit, static_argnames=("orders", "method", "lo_s", "hi_s", "iterations"))
 def _calibrate_core(target, q, steps, delta, orders, method, lo_s, hi_s, iterations):
+    sigma, eps = _calibrate_solve(target, q, steps, delta, orders, method, lo_s, hi_s, iterations)
+    valid = (target > 0) & (q >= 0) & (q <= 1) & (steps >= 0) & (delta > 0) & (delta < 1)
+    return CalibrationResult(jnp.where(valid, sigma, jnp.nan), jnp.where(valid, eps, jnp.nan))
+
+
+def _bisect(target, q, steps, delta, orders, method, lo_s, hi_s, iterations):
+    """(σ, ε(σ), binds, at_low): the bisection on log σ, on values only."""
     def eps_at(log_sigma):
         return dpsgd_epsilon(q, jnp.exp(log_sigma), steps, delta, orders=orders, method=method)
 
@@ -168,19 +175,33 @@ def _calibrate_core(target, q, steps, delta, orders, method, lo_s, hi_s, iterati
     eps = jnp.where(at_low, eps_lo, eps_hi_final)
     sigma = jnp.where(found, sigma, jnp.inf)
     eps = jnp.where(found, eps, jnp.inf)
-    # Derivatives by the implicit function theorem (the bisection itself has none): where
-    # the target binds, ε(σ*, q, T, δ) = target, so dσ* = (d target − ∂ε/∂(q, T, δ)·d(q, T, δ))
-    # / (∂ε/∂σ). The correction below is exactly 0 in value and carries that tangent.
-    sg = jax.lax.stop_gradient
-    binds = found & ~at_low
-    s_star = jnp.where(binds, sg(jnp.exp(hi)), 1.0)
-    e_star = dpsgd_epsilon(q, s_star, steps, delta, orders=orders, method=method)
-    _, de_ds = jax.jvp(lambda s: dpsgd_epsilon(sg(q), s, sg(steps), sg(delta), orders=orders, method=method),
-                       (s_star,), (jnp.ones_like(s_star),))
-    de_ds = sg(de_ds)
-    use = binds & jnp.isfinite(e_star) & jnp.isfinite(de_ds) & (de_ds < 0)
-    gap = e_star - target
-    sigma = sigma - jnp.where(use, (gap - sg(gap)) / jnp.where(use, de_ds, -1.0), 0.0)
-    eps = jnp.where(use, eps + (target - sg(target)), eps)
-    valid = (target > 0) & (q >= 0) & (q <= 1) & (steps >= 0) & (delta > 0) & (delta < 1)
-    return CalibrationResult(jnp.where(valid, sigma, jnp.nan), jnp.where(valid, eps, jnp.nan))
+    return sigma, eps, found & ~at_low, found & at_low
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _calibrate_solve(target, q, steps, delta, orders, method, lo_s, hi_s, iterations):
+    sigma, eps, _, _ = _bisect(target, q, steps, delta, orders, method, lo_s, hi_s, iterations)
+    return sigma, eps
+
+
+@_calibrate_solve.defjvp
+def _calibrate_solve_jvp(orders, method, lo_s, hi_s, iterations, primals, tangents):
+    # The implicit function theorem (the bisection itself has no derivative): where the
+    # target binds, ε(σ*, q, T, δ) = target, so dσ* = (d target − ∂_{q,T,δ}ε·d(q,T,δ))/∂_σ ε
+    # and the returned ε moves with the target. At the lower bound σ is constant and ε moves
+    # with (q, T, δ); where σ = +inf nothing moves. Only traced when differentiating.
+    target, q, steps, delta = primals
+    d_target, d_q, d_steps, d_delta = tangents
+    sigma, eps, binds, at_low = _bisect(target, q, steps, delta, orders, method, lo_s, hi_s, iterations)
+    s_at = jnp.where(binds | at_low, sigma, 1.0)
+
+    def eps_of(s, q_, t_, d_):
+        return dpsgd_epsilon(q_, s, t_, d_, orders=orders, method=method)
+
+    _, de_ds = jax.jvp(eps_of, (s_at, q, steps, delta), (jnp.ones_like(s_at), jnp.zeros_like(q),
+                                                          jnp.zeros_like(steps), jnp.zeros_like(delta)))
+    _, de_dp = jax.jvp(eps_of, (s_at, q, steps, delta), (jnp.zeros_like(s_at), d_q, d_steps, d_delta))
+    use = binds & jnp.isfinite(de_ds) & (de_ds < 0)
+    d_sigma = jnp.where(use, (d_target - de_dp) / jnp.where(use, de_ds, -1.0), 0.0)
+    d_eps = jnp.where(use, d_target, jnp.where(at_low, de_dp, 0.0))  # masks on primal values only
+    return (sigma, eps), (d_sigma, d_eps)

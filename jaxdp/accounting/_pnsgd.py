@@ -551,15 +551,21 @@ def _calibrate_core(eps_t, dlt, pos, n, lip, beta, rho, eta, dia, b, k, analysis
     dlt = jnp.where(valid, dlt, 0.5)
     log_dt = jnp.log(dlt)
     # Composition is certified at r* = √(2 log(1/δ) + 2ε) − √(2 log(1/δ)) (see _eps_bracket),
-    # i.e. σ_comp = 2L√k/(b_min r*), for every position.
+    # i.e. σ_comp = 2L√k/(b_min r*), for every position: the search brackets it.
     a = jnp.sqrt(2.0 * -log_dt)
     r_star = jnp.sqrt(a**2 + 2.0 * eps_t) - a
     _, m_, _ = _batch_geometry(pos, n, b)
     b_min = jnp.minimum(b, jnp.where(valid, n - (m_ - 1.0) * b, 1.0))
     b_min = jnp.where(valid & (b_min >= 1), b_min, 1.0)
-    log_sig_comp = jnp.log(2.0 * jnp.where(valid, lip, 1.0) * jnp.sqrt(k) / (b_min * r_star))
-    lo0 = log_sig_comp - _SIGMA_OCTAVES_BELOW * math.log(2.0)
-    hi0 = log_sig_comp + _SIGMA_OCTAVES_ABOVE * math.log(2.0)
+    centre = jax.lax.stop_gradient(jnp.log(2.0 * jnp.where(valid, lip, 1.0) * jnp.sqrt(k) / (b_min * r_star)))
+    sig = _pnsgd_solve(eps_t, log_dt, pos, n, lip, beta, rho, eta, dia, b, k, centre, analysis, sc_form)
+    return _nan_unless(valid, sig)
+
+
+def _pnsgd_bisect(eps_t, log_dt, pos, n, lip, beta, rho, eta, dia, b, k, centre, analysis, sc_form):
+    """(σ*, binds): the bisection on log σ around ``centre`` (log σ_comp), on values only."""
+    lo0 = centre - _SIGMA_OCTAVES_BELOW * math.log(2.0)
+    hi0 = centre + _SIGMA_OCTAVES_ABOVE * math.log(2.0)
     feas = lambda ls: _feasible(  # noqa: E731
         ls, eps_t, log_dt, pos, n, lip, beta, rho, eta, dia, b, k, analysis, sc_form
     )
@@ -570,21 +576,28 @@ def _calibrate_core(eps_t, dlt, pos, n, lip, beta, rho, eta, dia, b, k, analysis
         ok = feas(mid)
         return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
 
-    sg = jax.lax.stop_gradient
-    # The search runs on stopped values: its bracket moves with ε_t and the run's constants,
-    # which is not how σ* moves. Derivatives come from the implicit function theorem below.
-    lo0, hi0 = sg(lo0), sg(hi0)
     lo, hi = jax.lax.fori_loop(0, _SIGMA_ITERS, body, (lo0, hi0))
     at_low, found = feas(lo0), feas(hi0)
     sig = jnp.exp(hi)
     sig = jnp.where(at_low, jnp.exp(lo0), sig)
     sig = jnp.where(found, sig, jnp.inf)
-    # Where the target binds, the first analysis certified at σ* has h(σ*, ε_t, ...) = 0 up to
-    # the bisection's width, so dσ* = −(∂h/∂(ε_t, L, η, D, ...)·d(...))/(∂h/∂σ). The
-    # correction is exactly 0 in value and carries that tangent.
-    binds = found & ~at_low
-    s_star = jnp.where(binds, sg(jnp.exp(hi)), 1.0)
-    args = (eps_t, log_dt, pos, n, lip, beta, rho, eta, dia, b, k)
+    return sig, found & ~at_low
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(12, 13))
+def _pnsgd_solve(eps_t, log_dt, pos, n, lip, beta, rho, eta, dia, b, k, centre, analysis, sc_form):
+    return _pnsgd_bisect(eps_t, log_dt, pos, n, lip, beta, rho, eta, dia, b, k, centre, analysis, sc_form)[0]
+
+
+@_pnsgd_solve.defjvp
+def _pnsgd_solve_jvp(analysis, sc_form, primals, tangents):
+    # The implicit function theorem (the bisection itself has no derivative): where the
+    # target binds, the first analysis certified at σ* has h(σ*, ε_t, ...) = 0 up to the
+    # bisection's width, so dσ* = −(∂h/∂(ε_t, δ, L, η, D, ...)·d(...))/(∂h/∂σ). At the
+    # bracket's ends σ is constant. Only traced when differentiating.
+    sig, binds = _pnsgd_bisect(*primals, analysis, sc_form)
+    args, d_args = primals[:11], tangents[:11]
+    s_star = jnp.where(binds, sig, 1.0)
 
     def binding_h(s, *a):
         cons = _constraints(s, *a, analysis, sc_form)
@@ -596,9 +609,10 @@ def _calibrate_core(eps_t, dlt, pos, n, lip, beta, rho, eta, dia, b, k, analysis
             taken = taken | pick
         return jnp.where(taken, h, jnp.nan)
 
-    h = binding_h(s_star, *args)
-    _, dh_ds = jax.jvp(lambda s: binding_h(s, *(sg(a) for a in args)), (s_star,), (jnp.ones_like(s_star),))
-    dh_ds = sg(dh_ds)
-    use = binds & jnp.isfinite(h) & jnp.isfinite(dh_ds) & (dh_ds < 0)
-    sig = sig - jnp.where(use, (h - sg(h)) / jnp.where(use, dh_ds, -1.0), 0.0)
-    return _nan_unless(valid, sig)
+    _, dh_ds = jax.jvp(lambda s: binding_h(s, *args), (s_star,), (jnp.ones_like(s_star),))
+    _, dh_dp = jax.jvp(lambda *a: binding_h(s_star, *a), args, d_args)
+    # (The mask may depend on primal values only: a tangent in a select's predicate could not
+    # be transposed for reverse mode.)
+    use = binds & jnp.isfinite(dh_ds) & (dh_ds < 0)
+    d_sig = jnp.where(use, -dh_dp / jnp.where(use, dh_ds, -1.0), 0.0)
+    return sig, d_sig
