@@ -198,9 +198,10 @@ def _calibrate_solve_jvp(orders, method, lo_s, hi_s, iterations, primals, tangen
     def eps_of(s, q_, t_, d_):
         return dpsgd_epsilon(q_, s, t_, d_, orders=orders, method=method)
 
-    _, de_ds = jax.jvp(eps_of, (s_at, q, steps, delta), (jnp.ones_like(s_at), jnp.zeros_like(q),
-                                                          jnp.zeros_like(steps), jnp.zeros_like(delta)))
-    _, de_dp = jax.jvp(eps_of, (s_at, q, steps, delta), (jnp.zeros_like(s_at), d_q, d_steps, d_delta))
+    # One linearisation at σ*, applied to the σ direction and to the caller's tangents.
+    _, lin = jax.linearize(eps_of, s_at, q, steps, delta)
+    de_ds = lin(jnp.ones_like(s_at), jnp.zeros_like(q), jnp.zeros_like(steps), jnp.zeros_like(delta))
+    de_dp = lin(jnp.zeros_like(s_at), d_q, d_steps, d_delta)
     use = binds & jnp.isfinite(de_ds) & (de_ds < 0)
     d_sigma = jnp.where(use, (d_target - de_dp) / jnp.where(use, de_ds, -1.0), 0.0)
     d_eps = jnp.where(use, d_target, jnp.where(at_low, de_dp, 0.0))  # masks on primal values only

@@ -609,8 +609,10 @@ def _pnsgd_solve_jvp(analysis, sc_form, primals, tangents):
             taken = taken | pick
         return jnp.where(taken, h, jnp.nan)
 
-    _, dh_ds = jax.jvp(lambda s: binding_h(s, *args), (s_star,), (jnp.ones_like(s_star),))
-    _, dh_dp = jax.jvp(lambda *a: binding_h(s_star, *a), args, d_args)
+    # One linearisation at σ*, applied to the σ direction and to the caller's tangents.
+    _, lin = jax.linearize(binding_h, s_star, *args)
+    dh_ds = lin(jnp.ones_like(s_star), *(jnp.zeros_like(a) for a in args))
+    dh_dp = lin(jnp.zeros_like(s_star), *d_args)
     # (The mask may depend on primal values only: a tangent in a select's predicate could not
     # be transposed for reverse mode.)
     use = binds & jnp.isfinite(dh_ds) & (dh_ds < 0)
