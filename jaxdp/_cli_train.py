@@ -17,6 +17,7 @@ import json
 import math
 import sys
 import time
+import warnings
 
 __all__ = ["add_train_parser", "run_train"]
 
@@ -26,7 +27,7 @@ _DATASETS = ("digits", "mnist", "fashion-mnist")
 _OPTION = {
     "learning_rate": "--lr", "noise_multiplier": "--noise-multiplier", "batch_size": "--batch-size",
     "passes": "--passes", "delta": "--delta", "radius": "--radius", "clip_norm": "--clip-norm",
-    "seed": "--seed", "schedule": "--schedule", "checkpoint_dir": "--checkpoint-dir",
+    "order_seed": "--order-seed", "noise_seed": "--insecure-noise-seed", "schedule": "--schedule", "checkpoint_dir": "--checkpoint-dir",
     "steps_per_call": "--steps-per-call",
 }
 
@@ -61,7 +62,11 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--clip-norm", type=float, default=None,
                    help="clip norm C (default: the Lipschitz bound for convex models, 1 for the MLP)")
     p.add_argument("--delta", type=float, default=1e-5, help="target delta (default 1e-5)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the order, noise and stopping time (default 0)")
+    p.add_argument("--order-seed", type=int, default=0,
+                   help="public seed of the record order and the model's initialisation (default 0)")
+    p.add_argument("--insecure-noise-seed", type=int, default=None, metavar="N",
+                   help="fix the seed of the noise and stopping time, for tests and reproductions only: the run is "
+                        "then NOT private (by default that key comes from the OS entropy and is never shown)")
     p.add_argument("--schedule", choices=("fixed", "random-stop"), default="fixed",
                    help="fixed passes (default) or one pass stopped at a uniform random step")
     p.add_argument("--checkpoint-dir", default=None, help="save atomic checkpoints here (every pass)")
@@ -106,6 +111,10 @@ def _load(args):
         raise _Usage(f"--data-path: {str(err).splitlines()[0]}") from None
 
 
+_NOT_PRIVATE = ("NOT PRIVATE (--insecure-noise-seed): anyone who knows that seed can regenerate the noise and "
+                "remove it; the epsilon below holds only while the seed is secret")
+
+
 class _Usage(ValueError):
     pass
 
@@ -116,7 +125,7 @@ def _model(args, ds):
     from . import models
 
     d = ds.x_train.shape[1]
-    rngs = nnx.Rngs(args.seed)
+    rngs = nnx.Rngs(args.order_seed)
     if args.model == "softmax":
         return models.SoftmaxRegression(d, ds.num_classes, rngs=rngs), ds
     if args.model == "logistic":
@@ -177,12 +186,15 @@ def run_train(args) -> int:
         from .training import train
 
         start = time.perf_counter()
-        res = train(
-            model, ds, learning_rate=args.lr, noise_multiplier=args.noise_multiplier, radius=args.radius,
-            batch_size=args.batch_size, passes=passes, delta=args.delta, seed=args.seed, clip_norm=clip,
-            schedule=args.schedule.replace("-", "_"), checkpoint_dir=args.checkpoint_dir, resume=args.resume,
-            progress=not args.json and sys.stderr.isatty(),
-        )
+        with warnings.catch_warnings():  # the command prints its own NOT PRIVATE line
+            warnings.filterwarnings("ignore", message="noise_seed is fixed", category=UserWarning)
+            res = train(
+                model, ds, learning_rate=args.lr, noise_multiplier=args.noise_multiplier, radius=args.radius,
+                batch_size=args.batch_size, passes=passes, delta=args.delta, order_seed=args.order_seed,
+                noise_seed=args.insecure_noise_seed, clip_norm=clip,
+                schedule=args.schedule.replace("-", "_"), checkpoint_dir=args.checkpoint_dir, resume=args.resume,
+                progress=not args.json and sys.stderr.isatty(),
+            )
         total = time.perf_counter() - start
     except (ValueError, TypeError) as err:
         return _error(_cli_message(str(err)))
@@ -197,7 +209,7 @@ def run_train(args) -> int:
     if plot:
         _plot(plot, rep, title)
     payload = {
-        "dataset": ds.name, "model": args.model, "test_accuracy": res.test_accuracy, "analysis": rep.analysis,
+        "private": not led.fixed_noise_seed, "dataset": ds.name, "model": args.model, "test_accuracy": res.test_accuracy, "analysis": rep.analysis,
         "reason": rep.reason, "delta": rep.delta, "epsilon": rep.summary(), "amplified": amp, "composition": comp,
         "by_analysis": summaries, "ledger": led.to_json(), "train_seconds": res.seconds, "total_seconds": total,
         "plot": plot,
@@ -214,11 +226,12 @@ def run_train(args) -> int:
 
     runs = ("one pass stopped at a secret uniform step" if led.schedule == "random_stop"
             else f"{led.passes} pass(es) of {led.steps_per_pass} batches of {led.batch_size}")
-    lines = [
+    lines = [_NOT_PRIVATE] if led.fixed_noise_seed else []
+    lines += [
         (f"PNSGD on {ds.name} ({len(ds.x_train)} train / {len(ds.x_test)} test), {args.model} model, {runs}"
          + (f" ({led.unused} records unused)" if led.unused else "")),
         (f"  eta={led.learning_rate:g}, noise multiplier={led.noise_multiplier:g} (sigma={led.noise_std:.4g} on the "
-         f"averaged gradient), C={led.clip_norm:.4g}, R={led.diameter / 2:g}, delta={led.delta:g}, seed={led.seed}"),
+         f"averaged gradient), C={led.clip_norm:.4g}, R={led.diameter / 2:g}, delta={led.delta:g}, order seed={led.order_seed}"),
         f"test accuracy: {100 * res.test_accuracy:.1f} %   (training {res.seconds:.1f} s, total {total:.1f} s)",
         f"epsilon per record position (best / median / worst over {rep.positions.size} positions):",
     ]

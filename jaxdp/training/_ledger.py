@@ -37,6 +37,9 @@ __all__ = ["PrivacyLedger", "PrivacyReport", "privacy_report"]
 _HIDDEN = "hidden-state"
 _STOP = "random-stop"
 _COMPOSITION = "composition"
+NOT_PRIVATE = ("NOT PRIVATE: the noise came from a fixed noise_seed, so anyone who knows it can regenerate the "
+               "noise and remove it; the epsilon below holds only if that seed is secret (use for tests and "
+               "reproductions only)")
 
 
 class PrivacyLedger(NamedTuple):
@@ -66,7 +69,11 @@ class PrivacyLedger(NamedTuple):
       steps_per_pass: batches per pass, :math:`m = \\lceil n/b\\rceil`.
       schedule: ``"fixed"`` (every pass in the same shuffled-once order) or
         ``"random_stop"``.
-      seed: the seed all keys derive from (order, noise, stopping time).
+      order_seed: the public seed of the processing order (may be published).
+      fixed_noise_seed: ``True`` when the noise and stopping-time randomness came from a
+        fixed ``noise_seed`` instead of the operating system's entropy: anyone who knows
+        that seed can regenerate the noise, so the run is **not private**. The secret key
+        itself is never part of the ledger (only of checkpoints).
       total_steps: steps the run will do. For ``"random_stop"`` this is the drawn
         stopping time :math:`T`, which must stay **secret**: do not publish it.
       steps_done: steps already done (updated as training goes; checkpointed).
@@ -94,7 +101,8 @@ class PrivacyLedger(NamedTuple):
     passes: int
     steps_per_pass: int
     schedule: str
-    seed: int
+    order_seed: int
+    fixed_noise_seed: bool
     total_steps: int
     steps_done: int
     delta: float
@@ -149,6 +157,9 @@ class PrivacyReport(NamedTuple):
       unused: records never used (ε = 0), not included in ``positions``.
       exact: False when the bound is a conservative stand-in (mid-pass after the first
         pass: composition over the pass in progress).
+      not_private: True when the run's noise came from a fixed, known ``noise_seed``
+        (:attr:`PrivacyLedger.fixed_noise_seed`): the ε values then hold only if that seed
+        is secret, and the report says so first.
     """
 
     analysis: str
@@ -162,6 +173,7 @@ class PrivacyReport(NamedTuple):
     by_analysis: dict
     unused: int
     exact: bool
+    not_private: bool = False
 
     def summary(self, values: np.ndarray | None = None) -> dict[str, float]:
         """Best (smallest), median and worst (largest) ε over the positions."""
@@ -192,6 +204,8 @@ class PrivacyReport(NamedTuple):
         lines.insert(1, "  ".join("-" * w for w in widths))
         head = (f"epsilon per record position at delta={self.delta:g} after {self.steps_done} steps; "
                 f"reported: {self.analysis}")
+        if self.not_private:
+            head = f"{NOT_PRIVATE}\n{head}"
         tail = [f"reason: {self.reason}"]
         if self.unused:
             tail.append(f"{self.unused} record(s) never used (epsilon = 0), not listed")
@@ -302,7 +316,8 @@ def privacy_report(ledger: PrivacyLedger) -> PrivacyReport:
       >>> led = PrivacyLedger(analysis="hidden-state", reason="convex", convex=True, lipschitz=2.0,
       ...     smoothness=1.0, strong_convexity=0.0, learning_rate=1.0, noise_multiplier=2.0,
       ...     noise_std=2.0, clip_norm=2.0, lipschitz_bound=2.0, diameter=2.0, records=8, unused=0,
-      ...     batch_size=4, passes=1, steps_per_pass=2, schedule="fixed", seed=0, total_steps=2,
+      ...     batch_size=4, passes=1, steps_per_pass=2, schedule="fixed", order_seed=0,
+      ...     fixed_noise_seed=False, total_steps=2,
       ...     steps_done=2, delta=1e-5, clipped=0, max_grad_norm=1.5, intermediates_released=False)
       >>> rep = privacy_report(led)
       >>> rep.positions.tolist()
@@ -310,6 +325,10 @@ def privacy_report(ledger: PrivacyLedger) -> PrivacyReport:
       >>> bool(rep.epsilon[0] < rep.epsilon[-1] <= rep.composition[-1])
       True
     """
+    return _report(ledger)._replace(not_private=bool(ledger.fixed_noise_seed))
+
+
+def _report(ledger: PrivacyLedger) -> PrivacyReport:
     n, b, m = ledger.records, ledger.batch_size, ledger.steps_per_pass
     positions = np.arange(1, n + 1)
     s = int(ledger.steps_done)

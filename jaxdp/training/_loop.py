@@ -9,7 +9,7 @@ The loop runs the update the hidden-state accountants analyse,
 
 (:func:`jaxdp.training.pnsgd`, per-example clipping by :func:`jaxdp.training.clipped_grad_sum`)
 over consecutive batches :math:`B_t` of a fixed order of the records, shuffled once from a
-recorded seed, for one or several passes in the same order, or one pass stopped after a
+recorded public seed, for one or several passes in the same order, or one pass stopped after a
 uniformly drawn number of steps. A :class:`~jaxdp.training.PrivacyLedger` in the
 :class:`TrainState` records what was spent; ε per position comes from
 :func:`jaxdp.training.privacy_report`.
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import secrets
 import time
 import warnings
 from collections.abc import Callable
@@ -42,13 +43,13 @@ from flax import nnx
 from .. import _validate
 from ._checkpoint import Checkpointer, latest_checkpoint_step
 from ._clipping import clipped_grad_sum
-from ._ledger import PrivacyLedger, PrivacyReport, demote, privacy_report
+from ._ledger import NOT_PRIVATE, PrivacyLedger, PrivacyReport, demote, privacy_report
 from ._transforms import _check_batch_size, pnsgd, pnsgd_noise_std
 
 __all__ = ["TrainResult", "TrainState", "accuracy", "train"]
 
 _SCHEDULES = ("fixed", "random_stop")
-_FORMAT = 1
+_FORMAT = 2  # 2: order_seed and a secret noise key replace the single seed
 
 
 class TrainState(NamedTuple):
@@ -230,6 +231,19 @@ def _segments(start: int, stop: int, plan: _Plan, steps_per_call: int):
 # ----------------------------------------------------------------------------------------
 
 
+def _secret_key(noise_seed: int | None) -> jax.Array:
+    """The key of the noise and the stopping time: OS entropy, or ``noise_seed`` (not private).
+
+    The entropy fills the whole key (64 bits for the default threefry key), so it cannot be
+    derived from anything the run prints or records.
+    """
+    if noise_seed is not None:
+        return jax.random.key(int(noise_seed))
+    like = jax.random.key_data(jax.random.key(0))
+    words = np.frombuffer(secrets.token_bytes(like.size * like.dtype.itemsize), dtype=like.dtype)
+    return jax.random.wrap_key_data(jnp.asarray(words.reshape(like.shape)))
+
+
 def _arrays_part(state: TrainState):
     return (state.params, state.opt_state, state.step, state.order, state.total_steps,
             state.max_grad_norm, state.clipped)
@@ -305,7 +319,8 @@ def train(
     passes: int = 1,
     schedule: str = "fixed",
     delta: float = 1e-5,
-    seed: int = 0,
+    order_seed: int = 0,
+    noise_seed: int | None = None,
     loss_fn: Callable | None = None,
     clip_norm: float | None = None,
     lipschitz: float | None = None,
@@ -339,9 +354,14 @@ def train(
     :mod:`jaxdp.models`: data-independent and inside :math:`K`; other starts are projected
     onto :math:`K` first).
 
-    **Order.** The records are shuffled once, ``order = jax.random.permutation(k_order, n)``
-    with ``k_order, k_noise, k_stop = jax.random.split(jax.random.key(seed), 3)``; the
-    order does not depend on the data. ``schedule="fixed"`` runs ``passes`` passes in that
+    **Order and secret randomness.** The records are shuffled once,
+    ``order = jax.random.permutation(jax.random.key(order_seed), n)``: the order is public
+    (it may be printed) and does not depend on the data. The noise and the stopping time
+    come from a **separate, secret** key, ``k_noise, k_stop = jax.random.split(secret)``,
+    drawn from the operating system's entropy (:func:`secrets.token_bytes`) unless
+    ``noise_seed`` is given. The secret key is never printed, logged or written to the
+    ledger or the report; it lives in the train state and so in checkpoints, which must be
+    kept as private as the data. ``schedule="fixed"`` runs ``passes`` passes in that
     same order; ``schedule="random_stop"`` runs one pass and stops after
     :math:`T \sim \mathrm{Uniform}\{1, \dots, m\}` steps (drawn from ``k_stop``), as
     Theorem 5 of Asoodeh et al. and Theorem 26 of Feldman et al. assume; :math:`T` must
@@ -375,7 +395,12 @@ def train(
       passes: :math:`k \ge 1` (``schedule="fixed"``; must be 1 for random stopping).
       schedule: ``"fixed"`` or ``"random_stop"``.
       delta: target :math:`\delta \in (0, 1)`.
-      seed: the seed of the order, the noise and the stopping time (recorded).
+      order_seed: the public seed of the processing order (recorded in the ledger).
+      noise_seed: ``None`` (default): the noise and stopping-time key comes from the
+        operating system's entropy and stays secret. An integer fixes it for tests and
+        reproductions: the run is then **not private** (anyone who knows the seed can
+        regenerate the noise), a ``UserWarning`` says so, and the ledger and report
+        carry ``fixed_noise_seed`` / ``not_private``.
       loss_fn: ``loss_fn(model, x, y) -> (b,)`` per-example losses; default by model type.
       clip_norm: :math:`C`; default :math:`L` for convex models, required otherwise.
       lipschitz, smoothness: :math:`L` and :math:`\beta` of a user-declared convex loss.
@@ -440,8 +465,10 @@ def train(
     _validate.check_static_choice("schedule", schedule, _SCHEDULES)
     if schedule == "random_stop" and passes != 1:
         raise ValueError(f"passes must be 1 with schedule='random_stop' (the random-stopping analyses are for one pass); got {passes}.")
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise ValueError(f"seed must be an integer; got {seed!r}.")
+    if isinstance(order_seed, bool) or not isinstance(order_seed, (int, np.integer)):
+        raise ValueError(f"order_seed must be an integer; got {order_seed!r}.")
+    if noise_seed is not None and (isinstance(noise_seed, bool) or not isinstance(noise_seed, (int, np.integer))):
+        raise ValueError(f"noise_seed must be None (secret key from the OS entropy) or an integer; got {noise_seed!r}.")
     if clip_norm is not None:
         _validate.check_in_range("clip_norm", clip_norm, 0.0, math.inf, lo_open=True)
     for name, value in (("lipschitz", lipschitz), ("smoothness", smoothness)):
@@ -539,7 +566,7 @@ def train(
         "params": str(jax.tree.map(lambda a: (tuple(a.shape), str(a.dtype)), params0)),
         "data": _fingerprint(x, y), "learning_rate": float(learning_rate),
         "noise_multiplier": float(noise_multiplier), "radius": float(radius), "batch_size": batch_size,
-        "passes": passes, "schedule": schedule, "delta": float(delta), "seed": int(seed), "clip_norm": clip_norm,
+        "passes": passes, "schedule": schedule, "delta": float(delta), "order_seed": int(order_seed), "clip_norm": clip_norm,
         "lipschitz": lip_bound, "smoothness": beta, "strong_convexity": float(strong_convexity),
         "convex": is_convex, "drop_remainder": bool(drop_remainder), "steps_per_call": steps_per_call,
         "return_intermediates": bool(return_intermediates),
@@ -556,8 +583,10 @@ def train(
         ckpt = Checkpointer(checkpoint_dir)
 
     # ---------------- initial state ----------------
-    k_order, k_noise, k_stop = jax.random.split(jax.random.key(int(seed)), 3)
-    order = jax.random.permutation(k_order, plan.n_total).astype(jnp.int32)
+    order = jax.random.permutation(jax.random.key(int(order_seed)), plan.n_total).astype(jnp.int32)
+    if noise_seed is not None:
+        warnings.warn(f"noise_seed is fixed: {NOT_PRIVATE}.", UserWarning, stacklevel=2)
+    k_noise, k_stop = jax.random.split(_secret_key(noise_seed))
     if schedule == "random_stop":
         total = int(jax.random.randint(k_stop, (), 1, plan.steps_per_pass + 1))
     else:
@@ -573,7 +602,8 @@ def train(
         noise_multiplier=float(noise_multiplier), noise_std=float(noise_std), clip_norm=clip_norm,
         lipschitz_bound=lip_bound, diameter=2.0 * float(radius), records=plan.records,
         unused=plan.n_total - plan.records, batch_size=batch_size, passes=passes,
-        steps_per_pass=plan.steps_per_pass, schedule=schedule, seed=int(seed), total_steps=total,
+        steps_per_pass=plan.steps_per_pass, schedule=schedule, order_seed=int(order_seed),
+        fixed_noise_seed=noise_seed is not None, total_steps=total,
         steps_done=0, delta=float(delta), clipped=0, max_grad_norm=0.0,
         intermediates_released=bool(return_intermediates),
     )

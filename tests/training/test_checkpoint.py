@@ -23,7 +23,7 @@ from jaxdp.training import Checkpointer, latest_checkpoint_step, train
 
 # Small logistic-regression run: 40 records, batches of 4 → 10 steps per pass, 3 passes.
 RUN = dict(learning_rate=0.5, noise_multiplier=1.0, radius=1.0, batch_size=4, passes=3, steps_per_call=2,
-           seed=7, progress=False, account=False)
+           order_seed=7, noise_seed=7, progress=False, account=False)
 
 
 def _data():
@@ -128,7 +128,7 @@ _SCRIPT = textwrap.dedent("""
             time.sleep(0.25)
 
     res = train(LogisticRegression(5, rngs=nnx.Rngs(0)), ds, learning_rate=0.5, noise_multiplier=1.0,
-                radius=1.0, batch_size=4, passes=3, steps_per_call=2, seed=7, progress=False, account=False,
+                radius=1.0, batch_size=4, passes=3, steps_per_call=2, order_seed=7, noise_seed=7, progress=False, account=False,
                 checkpoint_dir=ckdir, checkpoint_every=2, resume=True, callback=cb)
     np.savez(out, *[np.asarray(v) for v in jax.tree.leaves(res.state.params)])
     with open(out + ".json", "w") as f:

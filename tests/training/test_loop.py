@@ -54,11 +54,12 @@ def test_update_equals_analysed_formula_by_hand():
     ds = _tiny()
     lr, nu, radius, b, seed = 0.5, 0.3, 0.8, 4, 3
     res = train(LogisticRegression(3, rngs=nnx.Rngs(0)), ds, learning_rate=lr, noise_multiplier=nu,
-                radius=radius, batch_size=b, passes=2, seed=seed, progress=False, account=False)
+                radius=radius, batch_size=b, passes=2, order_seed=seed, noise_seed=seed, progress=False,
+                account=False)
     L = logistic_loss_constants(1.0).lipschitz  # C = L = √2
     std = nu * 2 * L / b
-    k_order, k_noise, _ = jax.random.split(jax.random.key(seed), 3)
-    order = np.asarray(jax.random.permutation(k_order, 8))
+    k_noise, _ = jax.random.split(jax.random.key(seed))
+    order = np.asarray(jax.random.permutation(jax.random.key(seed), 8))
     np.testing.assert_array_equal(np.asarray(res.state.order), order)
     # Leaf order of the parameter state (the noise is drawn per leaf in this order).
     shapes = [tuple(v.shape) for v in jax.tree.leaves(res.state.params)]
@@ -87,7 +88,7 @@ def test_update_equals_analysed_formula_by_hand():
     led = res.state.ledger
     assert (led.steps_done, led.total_steps, led.passes, led.batch_size, led.records) == (4, 4, 2, b, 8)
     assert led.noise_std == pytest.approx(std) and led.diameter == 2 * radius and led.clipped == 0
-    assert led.analysis == "hidden-state" and led.seed == seed
+    assert led.analysis == "hidden-state" and led.order_seed == seed and led.fixed_noise_seed
 
 
 def test_digits_softmax_reaches_stated_accuracy_at_stated_epsilon(digits):
@@ -95,7 +96,8 @@ def test_digits_softmax_reaches_stated_accuracy_at_stated_epsilon(digits):
 
     Measured: 84.1 % (seed 0), ε best/median/worst 3.02/3.18/5.77 vs composition 17.9.
     """
-    res = train(SoftmaxRegression(64, 10, rngs=nnx.Rngs(0)), digits, passes=10, progress=False, **DIGITS)
+    res = train(SoftmaxRegression(64, 10, rngs=nnx.Rngs(0)), digits, passes=10, progress=False, noise_seed=0,
+                **DIGITS)
     rep = res.privacy
     s = rep.summary()
     assert res.test_accuracy >= 0.80
@@ -119,7 +121,7 @@ def test_digits_logistic_reaches_stated_accuracy_at_epsilon_below_one(digits):
     """
     binary = digits._replace(y_train=digits.y_train % 2, y_test=digits.y_test % 2, num_classes=2)
     res = train(LogisticRegression(64, rngs=nnx.Rngs(0)), binary, learning_rate=0.1, noise_multiplier=6.0,
-                radius=10.0, batch_size=64, passes=20, progress=False)
+                radius=10.0, batch_size=64, passes=20, progress=False, noise_seed=0)
     rep = res.privacy
     s = rep.summary()
     assert res.test_accuracy >= 0.75
@@ -132,7 +134,8 @@ def _digits_ledger(**kw):
     base = dict(analysis="hidden-state", reason="convex", convex=True, lipschitz=2.0, smoothness=1.0,
                 strong_convexity=0.0, learning_rate=1.0, noise_multiplier=1.0, noise_std=2 * 2.0 / 64,
                 clip_norm=2.0, lipschitz_bound=2.0, diameter=60.0, records=1408, unused=30, batch_size=64,
-                passes=1, steps_per_pass=22, schedule="fixed", seed=0, total_steps=22, steps_done=22,
+                passes=1, steps_per_pass=22, schedule="fixed", order_seed=0, fixed_noise_seed=False,
+                total_steps=22, steps_done=22,
                 delta=1e-5, clipped=0, max_grad_norm=1.5, intermediates_released=False)
     base.update(kw)
     return PrivacyLedger(**base)
@@ -217,10 +220,10 @@ def _stop_thm26_mp(j, m, lip, sig, delta):
 
 
 def test_random_stop_draws_uniform_stop_and_reports_theorems_5_and_26(digits):
-    res = train(SoftmaxRegression(64, 10, rngs=nnx.Rngs(0)), digits, schedule="random_stop", seed=0,
+    res = train(SoftmaxRegression(64, 10, rngs=nnx.Rngs(0)), digits, schedule="random_stop", noise_seed=0,
                 progress=False, **DIGITS)
     led = res.state.ledger
-    _, _, k_stop = jax.random.split(jax.random.key(0), 3)
+    _, k_stop = jax.random.split(jax.random.key(0))
     expected = int(jax.random.randint(k_stop, (), 1, 23))  # T ~ Uniform{1..22}
     assert led.steps_done == led.total_steps == int(res.state.step) == expected
     rep = res.privacy
@@ -238,14 +241,14 @@ def test_random_stop_draws_uniform_stop_and_reports_theorems_5_and_26(digits):
     # At these settings Thm 26 is the one that beats composition (3.97 vs 4.38).
     assert np.max(rep.epsilon) < 0.95 * np.min(rep.composition)
     # The stopping time is drawn uniformly: over many seeds every value 1..22 appears.
-    draws = jax.vmap(lambda k: jax.random.randint(jax.random.split(k, 3)[2], (), 1, 23))(
+    draws = jax.vmap(lambda k: jax.random.randint(jax.random.split(k)[1], (), 1, 23))(
         jax.vmap(jax.random.key)(jnp.arange(500)))
     assert set(np.asarray(draws).tolist()) == set(range(1, 23))
 
 
 def test_scan_and_python_loop_agree():
     kw = dict(learning_rate=0.5, noise_multiplier=1.0, radius=1.0, batch_size=2, passes=2, progress=False,
-              account=False)
+              account=False, noise_seed=0)
     a = train(LogisticRegression(3, rngs=nnx.Rngs(0)), _tiny(), **kw)
     b = train(LogisticRegression(3, rngs=nnx.Rngs(0)), _tiny(), steps_per_call=1, **kw)
     for u, v in zip(jax.tree.leaves(a.state.params), jax.tree.leaves(b.state.params)):
@@ -316,7 +319,8 @@ def test_ledger_round_trips_through_json():
     led = PrivacyLedger(analysis="hidden-state", reason="r", convex=True, lipschitz=2.0, smoothness=None,
                         strong_convexity=0.0, learning_rate=1.0, noise_multiplier=1.0, noise_std=1.0,
                         clip_norm=2.0, lipschitz_bound=None, diameter=2.0, records=8, unused=0, batch_size=4,
-                        passes=1, steps_per_pass=2, schedule="fixed", seed=0, total_steps=2, steps_done=1,
+                        passes=1, steps_per_pass=2, schedule="fixed", order_seed=0, fixed_noise_seed=False,
+                total_steps=2, steps_done=1,
                         delta=1e-5, clipped=0, max_grad_norm=0.5, intermediates_released=False)
     import json
 
