@@ -1,4 +1,5 @@
-"""Private training building blocks: PNSGD as optax transformations, per-example clipping.
+"""Private training building blocks: PNSGD and DP-SGD as optax transformations, Poisson
+sampling, per-example clipping, the PNSGD training loop.
 
 The update rules here are the ones the hidden-state accountants analyse
 (``Y ← Π_K(Y − η(g + Z))``); see :func:`pnsgd` for the noise convention.
@@ -10,6 +11,11 @@ from ._clipping import clipped_grad_sum as clipped_grad_sum
 from ._clipping import fast_path_supported as fast_path_supported
 from ._clipping import per_example_grad_norms as per_example_grad_norms
 from ._clipping import per_example_grads as per_example_grads
+from ._dpsgd import DPSGDStepOutput as DPSGDStepOutput
+from ._dpsgd import batch_capacity as batch_capacity
+from ._dpsgd import dpsgd as dpsgd
+from ._dpsgd import dpsgd_step as dpsgd_step
+from ._dpsgd import poisson_sample as poisson_sample
 from ._transforms import AddGaussianNoiseState as AddGaussianNoiseState
 from ._transforms import ProjectL2BallState as ProjectL2BallState
 from ._transforms import add_gaussian_noise as add_gaussian_noise
@@ -25,6 +31,11 @@ __all__ = [
     "add_gaussian_noise",
     "clip_per_example_grads",
     "clipped_grad_sum",
+    "batch_capacity",
+    "dpsgd",
+    "dpsgd_step",
+    "DPSGDStepOutput",
+    "poisson_sample",
     "fast_path_supported",
     "per_example_grad_norms",
     "per_example_grads",

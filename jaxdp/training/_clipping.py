@@ -351,7 +351,7 @@ def fast_path_supported(loss_fn: LossFn, model_or_params, batch) -> bool:
     return _discover(loss_fn, model_or_params, x, y) is not None
 
 
-def _fast(loss_fn, model, x, y, clip_norm, calls) -> ClippedGrads:
+def _fast(loss_fn, model, x, y, clip_norm, calls, mask=None) -> ClippedGrads:
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     probes = [jnp.zeros(shape, dtype) for shape, dtype in calls]
     registry: list = []
@@ -374,7 +374,7 @@ def _fast(loss_fn, model, x, y, clip_norm, calls) -> ClippedGrads:
         sq = term if sq is None else sq + term.astype(sq.dtype)
     norms, factor = _safe_clip_factor(sq, clip_norm)
     # The weights are constants of the second backward pass (S = Σ c_i g_i).
-    factor = jax.lax.stop_gradient(factor).astype(losses.dtype)
+    factor = jax.lax.stop_gradient(_masked(factor, mask)).astype(losses.dtype)
     grad_sum, _ = vjp_fn(factor)
     return ClippedGrads(grad_sum, norms)
 
@@ -396,7 +396,7 @@ def per_example_grad_norms(loss_fn: LossFn, model_or_params, batch) -> jax.Array
 
 
 def clipped_grad_sum(loss_fn: LossFn, model_or_params, batch, clip_norm, *,
-                     use_fast_path: bool | None = None) -> ClippedGrads:
+                     use_fast_path: bool | None = None, mask=None) -> ClippedGrads:
     r"""Sum of per-example clipped gradients, with a fast path for dense layers.
 
     .. math::
@@ -434,6 +434,9 @@ def clipped_grad_sum(loss_fn: LossFn, model_or_params, batch, clip_norm, *,
       clip_norm: :math:`C > 0`.
       use_fast_path: ``None`` (default) picks automatically; ``False`` forces
         ``vmap(grad)``; ``True`` raises ``ValueError`` if the fast path does not apply.
+      mask: optional ``(b,)`` booleans (or 0/1 weights): rows with ``False`` are padding
+        and contribute nothing to ``grad_sum`` (their norms are still returned). This is
+        how a Poisson-sampled batch of random size runs in a padded batch of static shape.
 
     Returns:
       :class:`ClippedGrads` ``(grad_sum, norms)``: ``grad_sum`` is shaped like the
@@ -457,18 +460,22 @@ def clipped_grad_sum(loss_fn: LossFn, model_or_params, batch, clip_norm, *,
     """
     _validate.check_in_range("clip_norm", clip_norm, 0.0, math.inf, lo_open=True)
     x, y = _check_batch(batch)
-    return _dispatch(loss_fn, model_or_params, x, y, clip_norm, use_fast_path)
+    if mask is not None:
+        mask = jnp.asarray(mask)
+        if mask.shape != (x.shape[0],):
+            raise ValueError(f"mask must have shape ({x.shape[0]},), one entry per example; got {mask.shape}.")
+    return _dispatch(loss_fn, model_or_params, x, y, clip_norm, use_fast_path, mask)
 
 
-def _dispatch(loss_fn, model_or_params, x, y, clip_norm, use_fast_path) -> ClippedGrads:
+def _dispatch(loss_fn, model_or_params, x, y, clip_norm, use_fast_path, mask=None) -> ClippedGrads:
     # One compiled program per (loss_fn, model structure, shapes): called eagerly this
     # avoids op-by-op dispatch; inside the caller's jit it is simply inlined.
     if isinstance(model_or_params, nnx.Module):
         graphdef, params, rest = nnx.split(model_or_params, nnx.Param, ...)
-        return _clipped_module(loss_fn, graphdef, params, rest, x, y, clip_norm, use_fast_path)
+        return _clipped_module(loss_fn, graphdef, params, rest, x, y, clip_norm, use_fast_path, mask)
     if use_fast_path:
         raise ValueError(_NO_FAST_PATH)
-    return _clipped_pytree(loss_fn, model_or_params, x, y, clip_norm)
+    return _clipped_pytree(loss_fn, model_or_params, x, y, clip_norm, mask)
 
 
 _NO_FAST_PATH = (
@@ -478,10 +485,15 @@ _NO_FAST_PATH = (
 )
 
 
-def _vmap_clipped(loss_fn, model_or_params, x, y, clip_norm) -> ClippedGrads:
+def _masked(factor: jax.Array, mask) -> jax.Array:
+    return factor if mask is None else factor * jnp.asarray(mask).astype(factor.dtype)
+
+
+def _vmap_clipped(loss_fn, model_or_params, x, y, clip_norm, mask=None) -> ClippedGrads:
     grads = _per_example_grads(loss_fn, model_or_params, x, y)
     sq = _per_example_sq_norms(grads)
     norms, factor = _safe_clip_factor(sq, clip_norm)
+    factor = _masked(factor, mask)
 
     def weighted_sum(leaf):
         return jnp.tensordot(factor.astype(leaf.dtype), leaf, axes=1)
@@ -490,16 +502,16 @@ def _vmap_clipped(loss_fn, model_or_params, x, y, clip_norm) -> ClippedGrads:
 
 
 @functools.partial(jax.jit, static_argnames=("loss_fn", "graphdef", "use_fast_path"))
-def _clipped_module(loss_fn, graphdef, params, rest, x, y, clip_norm, use_fast_path):
+def _clipped_module(loss_fn, graphdef, params, rest, x, y, clip_norm, use_fast_path, mask=None):
     model = nnx.merge(graphdef, params, rest)
     calls = None if use_fast_path is False else _discover(loss_fn, model, x, y)
     if use_fast_path and calls is None:
         raise ValueError(_NO_FAST_PATH)
     if calls is not None:
-        return _fast(loss_fn, model, x, y, clip_norm, calls)
-    return _vmap_clipped(loss_fn, model, x, y, clip_norm)
+        return _fast(loss_fn, model, x, y, clip_norm, calls, mask)
+    return _vmap_clipped(loss_fn, model, x, y, clip_norm, mask)
 
 
 @functools.partial(jax.jit, static_argnames=("loss_fn",))
-def _clipped_pytree(loss_fn, params, x, y, clip_norm):
-    return _vmap_clipped(loss_fn, params, x, y, clip_norm)
+def _clipped_pytree(loss_fn, params, x, y, clip_norm, mask=None):
+    return _vmap_clipped(loss_fn, params, x, y, clip_norm, mask)

@@ -1,0 +1,197 @@
+r"""DP-SGD with true Poisson sampling, as optax transformations and one pure step.
+
+The update that the sampled-Gaussian accountant analyses is
+
+.. math::
+
+    \theta_{t+1} = \theta_t - \mathrm{opt}\Bigl(\frac{1}{q N}\Bigl(\sum_{i \in B_t}
+        \min\bigl(1, C/\lVert g_i\rVert\bigr) g_i + Z_t\Bigr)\Bigr),\qquad
+    Z_t \sim \mathcal N(0, \nu^2 C^2 I),
+
+where every record enters :math:`B_t` independently with probability :math:`q` (Poisson
+sampling), :math:`C` is the clip norm, :math:`\nu` the noise multiplier relative to the
+add/remove sensitivity :math:`C` of the clipped sum, and ``opt`` is any optax optimizer
+(post-processing, free of privacy cost). Its guarantee is the sampled Gaussian mechanism
+composed over the steps: :func:`jaxdp.accounting.dpsgd_epsilon` with the same
+:math:`(q, \nu, T)`.
+
+**Static shapes for a random batch size.** A Poisson batch has a Binomial(N, q) size. The
+step draws the sample as a mask over all N records, lists the sampled indices first
+(``jnp.nonzero`` with a static size), and runs the clipped-gradient sum over chunks of a
+static ``capacity`` in a ``lax.while_loop``: one chunk when the batch fits (the common case,
+:func:`batch_capacity` makes overflow rare), more when it does not. No sampled record is
+ever dropped, so the capacity affects speed only, never the guarantee.
+
+The sampling key and the noise key are secret (see :func:`jaxdp.training.train`): whoever
+knows which records were sampled, or the noise, loses the amplification or the privacy.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from .. import _validate
+from ._clipping import clipped_grad_sum
+from ._transforms import add_gaussian_noise
+
+__all__ = ["DPSGDStepOutput", "batch_capacity", "dpsgd", "dpsgd_step", "poisson_sample"]
+
+
+def batch_capacity(num_records: int, q: float, overflow: float = 1e-6) -> int:
+    r"""A static padded batch size that a Poisson batch exceeds with probability ≤ ``overflow``.
+
+    The smallest :math:`c` with :math:`P(\mathrm{Binomial}(N, q) > c) \le` ``overflow``,
+    from the exact binomial tail (SciPy). Overflow never drops records (the step then runs
+    a second chunk), so this only sets how often a step takes longer.
+
+    Args:
+      num_records: :math:`N \ge 1`.
+      q: sampling rate in (0, 1].
+      overflow: target probability of needing more than one chunk, in (0, 1).
+
+    Examples:
+      >>> batch_capacity(60000, 256 / 60000)  # mean 256, sd 16: about mean + 4.9 sd
+      335
+    """
+    from scipy.stats import binom
+
+    _check_num_records(num_records)
+    _validate.check_in_range("q", q, 0.0, 1.0, lo_open=True)
+    _validate.check_in_range("overflow", overflow, 0.0, 1.0, lo_open=True, hi_open=True)
+    c = int(binom.isf(overflow, int(num_records), float(q)))
+    while c < num_records and binom.sf(c, int(num_records), float(q)) > overflow:  # isf rounds
+        c += 1
+    return max(1, min(int(num_records), c))
+
+
+def _check_num_records(num_records) -> None:
+    if isinstance(num_records, bool) or not isinstance(num_records, (int, np.integer)) or num_records < 1:
+        raise ValueError(f"num_records must be a positive integer; got {num_records!r}.")
+
+
+def poisson_sample(key: jax.Array, num_records: int, q) -> tuple[jax.Array, jax.Array]:
+    r"""Poisson sampling: each of ``num_records`` records is taken with probability ``q``.
+
+    Returns ``(indices, size)``: ``indices`` has the static shape ``(num_records,)`` and lists
+    the sampled records first, in increasing order, then zeros; ``size`` (``int32``) is the
+    realised batch size, distributed as :math:`\mathrm{Binomial}(N, q)`. Jittable; ``q``
+    may be traced.
+
+    Examples:
+      >>> import jax
+      >>> idx, size = poisson_sample(jax.random.key(0), 10, 0.5)
+      >>> idx.shape, int(size) <= 10
+      ((10,), True)
+    """
+    _check_num_records(num_records)
+    _validate.check_in_range("q", q, 0.0, 1.0)
+    u = jax.random.uniform(key, (num_records,))
+    taken = u < jnp.asarray(q, u.dtype)
+    size = jnp.sum(taken, dtype=jnp.int32)
+    (indices,) = jnp.nonzero(taken, size=num_records, fill_value=0)
+    return indices.astype(jnp.int32), size
+
+
+def dpsgd(optimizer, noise_multiplier, clip_norm, expected_batch_size, key) -> optax.GradientTransformation:
+    r"""DP-SGD's transformation of the clipped-gradient *sum* of a Poisson batch.
+
+    .. math::
+
+        S \mapsto \mathrm{opt}\Bigl(\frac{S + Z}{qN}\Bigr),\qquad Z \sim \mathcal N(0, \nu^2 C^2 I).
+
+    ``chain(add_gaussian_noise(ν·C, key), scale(1/(qN)), optimizer)``. Dividing by the
+    *expected* batch size :math:`qN` (not the realised one, which is private) is what
+    Opacus does for Poisson sampling. The noise multiplier is relative to the add/remove
+    sensitivity :math:`C` of the clipped sum, so :math:`\nu` means the same as in Opacus and
+    dp_accounting, and the run's ε is ``dpsgd_epsilon(q, ν, T, δ)``.
+
+    Args:
+      optimizer: an ``optax.GradientTransformation`` (e.g. ``optax.sgd(0.1)``,
+        ``optax.adam(1e-3)``; schedules allowed) or a learning rate, meaning
+        ``optax.sgd(learning_rate)``.
+      noise_multiplier: :math:`\nu \ge 0` (array-like; may be traced).
+      clip_norm: :math:`C > 0`.
+      expected_batch_size: :math:`qN > 0`.
+      key: PRNG key of the noise (secret; split off a key from the OS entropy).
+
+    Returns:
+      An ``optax.GradientTransformation``; its first state holds the noise key.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> tx = dpsgd(optax.sgd(0.1), 1.0, 1.0, 64.0, jax.random.key(0))
+      >>> u, _ = tx.update(jnp.zeros(3), tx.init(jnp.zeros(3)))
+      >>> u.shape
+      (3,)
+    """
+    _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf)
+    _validate.check_in_range("clip_norm", clip_norm, 0.0, math.inf, lo_open=True)
+    _validate.check_in_range("expected_batch_size", expected_batch_size, 0.0, math.inf, lo_open=True)
+    if not isinstance(optimizer, optax.GradientTransformation):
+        _validate.check_in_range("learning_rate", optimizer, 0.0, math.inf, lo_open=True)
+        optimizer = optax.sgd(optimizer)
+    noise_std = jnp.asarray(noise_multiplier) * jnp.asarray(clip_norm)
+    return optax.chain(
+        add_gaussian_noise(noise_std, key),
+        optax.scale(1.0 / jnp.asarray(expected_batch_size)),
+        optimizer,
+    )
+
+
+class DPSGDStepOutput(NamedTuple):
+    """What one :func:`dpsgd_step` returns beside the new state.
+
+    Attributes:
+      batch_size: the realised Poisson batch size (private: do not publish per step).
+      max_grad_norm: the largest unclipped per-example gradient norm in the batch.
+      chunks: padded chunks the step ran (1 unless the batch exceeded the capacity).
+    """
+
+    batch_size: jax.Array
+    max_grad_norm: jax.Array
+    chunks: jax.Array
+
+
+def dpsgd_step(loss_fn, graphdef, rest, tx: optax.GradientTransformation, params: Any, opt_state: Any,
+               sample_key: jax.Array, x: jax.Array, y: jax.Array, q, clip_norm, capacity: int, *,
+               use_fast_path: bool | None = None):
+    r"""One DP-SGD step on the whole training set ``(x, y)``: sample, clip, sum, update.
+
+    Pure and jittable (``capacity`` is static); scan it over steps. The Poisson sample comes
+    from ``sample_key`` (:func:`poisson_sample`); the clipped-gradient sum runs over
+    ``capacity``-sized chunks of the sampled indices until every sampled record is in
+    (padding rows are masked out); ``tx`` (from :func:`dpsgd`) adds the noise and applies
+    the optimizer.
+
+    Returns:
+      ``(params, opt_state, DPSGDStepOutput)``.
+    """
+    from flax import nnx
+
+    n = x.shape[0]
+    indices, size = poisson_sample(sample_key, n, q)
+    padded = jnp.concatenate([indices, jnp.zeros((capacity,), indices.dtype)])
+    model = nnx.merge(graphdef, params, rest)
+    chunks = (size + capacity - 1) // capacity
+
+    def body(carry):
+        k, acc, maxn = carry
+        idx = jax.lax.dynamic_slice(padded, (k * capacity,), (capacity,))
+        valid = k * capacity + jnp.arange(capacity) < size
+        cg = clipped_grad_sum(loss_fn, model, (x[idx], y[idx]), clip_norm, mask=valid, use_fast_path=use_fast_path)
+        acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, cg.grad_sum)
+        maxn = jnp.maximum(maxn, jnp.max(jnp.where(valid, cg.norms, 0.0)).astype(maxn.dtype))
+        return k + 1, acc, maxn
+
+    zero = jax.tree.map(jnp.zeros_like, params)
+    _, grad_sum, maxn = jax.lax.while_loop(lambda c: c[0] < chunks, body,
+                                           (jnp.zeros((), jnp.int32), zero, jnp.zeros((), jnp.float32)))
+    updates, opt_state = tx.update(grad_sum, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return params, opt_state, DPSGDStepOutput(size, maxn, chunks)
