@@ -22,7 +22,7 @@ import numpy as np
 from jaxdp.accounting._contraction import pnsgd_contraction_epsilon
 from jaxdp.accounting._pnsgd import pnsgd_privacy
 
-RUN = dict(lipschitz=1.0, smoothness=1.0, lr=0.5, noise_std=1.0, diameter=1.0, strong_convexity=0.2, delta=1e-5)
+RUN = dict(lipschitz=1.0, smoothness=1.0, learning_rate=0.5, noise_std=1.0, diameter=1.0, strong_convexity=0.2, delta=1e-5)
 
 
 def _time(fn, repeats):
@@ -46,19 +46,19 @@ def main(argv=None) -> int:
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, jax {jax.__version__} ({jax.default_backend()})")
     print(f"{'n':>9} {'first call (s)':>15} {'steady (s)':>11} {'per position (µs)':>18} {'bisection (s)':>14} {'ratio':>7} {'best ε (i=1, n)':>22}")
     for n in args.sizes:
-        first, steady = _time(lambda n=n: pnsgd_privacy(steps=n, **RUN).best, args.repeats)
-        out = pnsgd_privacy(steps=n, **RUN)
+        first, steady = _time(lambda n=n: pnsgd_privacy(num_records=n, **RUN).best, args.repeats)
+        out = pnsgd_privacy(num_records=n, **RUN)
         if n <= args.baseline_max:
             from jaxdp.accounting._contraction import step_contraction
 
-            m = float(step_contraction(RUN["lr"], RUN["smoothness"], RUN["strong_convexity"]))
+            m = float(step_contraction(RUN["learning_rate"], RUN["smoothness"], RUN["strong_convexity"]))
             pos = np.arange(1, n + 1)
             _, base = _time(
                 lambda pos=pos, n=n, m=m: pnsgd_contraction_epsilon(
-                    RUN["delta"], pos, n, RUN["lipschitz"], RUN["noise_std"], RUN["lr"], RUN["diameter"], m),
+                    RUN["delta"], pos, n, RUN["lipschitz"], RUN["noise_std"], RUN["learning_rate"], RUN["diameter"], m),
                 1,
             )
-            ref = np.asarray(pnsgd_contraction_epsilon(RUN["delta"], pos, n, RUN["lipschitz"], RUN["noise_std"], RUN["lr"], RUN["diameter"], m))
+            ref = np.asarray(pnsgd_contraction_epsilon(RUN["delta"], pos, n, RUN["lipschitz"], RUN["noise_std"], RUN["learning_rate"], RUN["diameter"], m))
             assert np.allclose(np.asarray(out.contraction), ref, rtol=1e-9, atol=1e-12)
             base_s, ratio = f"{base:14.3f}", f"{base / steady:7.1f}"
         else:

@@ -29,8 +29,8 @@ def main(argv=None):
     print(f"MNIST DP-SGD: epsilon = {float(res.epsilon):.4f} at delta = {delta:g} (order {float(res.order):g})")
     assert abs(float(res.epsilon) - 2.594363355) < 1e-6  # notes 004 §3.2, exact RDP
 
-    cal = A.calibrate_sigma(1.0, q, steps, delta)
-    print(f"smallest sigma for epsilon <= 1: {float(cal.sigma):.4f} (epsilon {float(cal.epsilon):.6f})")
+    cal = A.calibrate_noise_multiplier(1.0, q, steps, delta)
+    print(f"smallest sigma for epsilon <= 1: {float(cal.noise_multiplier):.4f} (epsilon {float(cal.epsilon):.6f})")
     assert float(cal.epsilon) <= 1.0
 
     cases = [(0.01, 1.1, 10000), (0.001, 0.8, 1000), (0.05, 1.5, 2000), (0.01, 4.0, 10000)]

@@ -3,7 +3,7 @@
 A hyper-parameter sweep over batch size B and epochs E for DP-SGD on N = 60,000 records at
 a target (ε, δ) = (3, 1e-5) runs as **one** ``jax.jit``-compiled function: for every
 configuration it sets q = B/N and T = ⌈E·N/B⌉, calls
-``jaxdp.accounting.calibrate_sigma`` (vmapped) for the smallest noise multiplier σ meeting
+``jaxdp.accounting.calibrate_noise_multiplier`` (vmapped) for the smallest noise multiplier σ meeting
 the target, scores the configuration by the signal-to-noise proxy
 ``B·√T / σ`` (the summed clipped gradients against the summed noise), and picks the best,
 all without leaving the compiled program. ε target, δ and N are traced arguments, so
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdp.accounting import calibrate_sigma, dpsgd_epsilon
+from jaxdp.accounting import calibrate_noise_multiplier, dpsgd_epsilon
 
 # The pipeline's inputs (q, δ, the ε target) are float32 outside an x64 scope (relative
 # rounding ≤ 6e-8); σ moves by less than that. The accountant itself computes in float64.
@@ -43,10 +43,10 @@ def sweep(target_epsilon, delta, n, batch_sizes, epochs):
     b, e = jnp.meshgrid(batch_sizes, epochs, indexing="ij")
     q = b / n
     steps = jnp.ceil(e * n / b)
-    calib = jax.vmap(jax.vmap(lambda q_, t_: calibrate_sigma(target_epsilon, q_, t_, delta)))(q, steps)
-    score = b * jnp.sqrt(steps) / calib.sigma  # signal-to-noise of the summed update
+    calib = jax.vmap(jax.vmap(lambda q_, t_: calibrate_noise_multiplier(target_epsilon, q_, t_, delta)))(q, steps)
+    score = b * jnp.sqrt(steps) / calib.noise_multiplier  # signal-to-noise of the summed update
     best = jnp.argmax(jnp.where(jnp.isfinite(score), score, -jnp.inf))
-    return calib.sigma, calib.epsilon, steps, score, best
+    return calib.noise_multiplier, calib.epsilon, steps, score, best
 
 
 def main(argv=None) -> int:
@@ -72,8 +72,8 @@ def main(argv=None) -> int:
 
     # Checks. 1) equal to eager, one configuration at a time.
     for r, c in {(0, 0), (len(bs) - 1, len(es) - 1), (len(bs) // 2, len(es) // 2)}:
-        eager = calibrate_sigma(target, bs[r] / n, float(steps[r, c]), delta)
-        np.testing.assert_allclose(sigma[r, c], float(eager.sigma), rtol=SIGMA_RTOL)
+        eager = calibrate_noise_multiplier(target, bs[r] / n, float(steps[r, c]), delta)
+        np.testing.assert_allclose(sigma[r, c], float(eager.noise_multiplier), rtol=SIGMA_RTOL)
     # 2) every σ meets the target.
     assert np.all(np.isfinite(sigma))
     check = np.asarray(dpsgd_epsilon(np.asarray(bs)[:, None] / n, sigma, steps, delta))

@@ -113,10 +113,10 @@ def run_pnsgd(args) -> int:
         out = pnsgd_privacy(
             lipschitz=args.lipschitz,
             smoothness=args.smoothness,
-            lr=args.lr,
+            learning_rate=args.lr,
             noise_std=args.noise_std,
             diameter=args.diameter,
-            steps=int(args.steps),
+            num_records=int(args.steps),
             delta=args.delta,
             strong_convexity=args.strong_convexity,
             batch_size=int(args.batch_size),

@@ -19,9 +19,17 @@ import numpy as np
 __all__ = [
     "is_concrete",
     "check_in_range",
+    "check_integer",
+    "check_positions",
+    "check_not_above",
+    "check_learning_rate",
     "check_orders",
     "check_static_choice",
     "concrete_orders",
+    "is_int",
+    "learning_rate_valid",
+    "nan_unless",
+    "valid_mask",
 ]
 
 
@@ -118,3 +126,101 @@ def valid_mask(*conditions: jax.Array) -> jax.Array:
     for c in conditions:
         out = out & c
     return out
+
+
+def check_integer(name: str, value: Any, lo: float = 1.0) -> None:
+    """Concrete ``value`` must be an integer ≥ ``lo`` (floats holding integers are fine)."""
+    if not is_concrete(value):
+        return
+    check_in_range(name, value, lo, math.inf)
+    arr = np.asarray(value, dtype=np.float64)
+    bad = arr != np.floor(arr)
+    if np.any(bad):
+        raise ValueError(f"{name} must be an integer ≥ {lo:g}; got {np.ravel(arr)[np.ravel(bad)][0]:g}.")
+
+
+def check_not_above(name: str, value: Any, bound_name: str, bound: Any) -> None:
+    """Concrete ``value`` must not exceed the concrete ``bound`` (element-wise, broadcast)."""
+    if not (is_concrete(value) and is_concrete(bound)):
+        return
+    v = np.asarray(value, dtype=np.float64)
+    b = np.asarray(bound, dtype=np.float64)
+    shape = np.broadcast_shapes(v.shape, b.shape)
+    bad = np.broadcast_to(v > b, shape)
+    if np.any(bad):
+        vb = np.broadcast_to(v, shape)[bad][0]
+        bb = np.broadcast_to(b, shape)[bad][0]
+        raise ValueError(f"{name} must be ≤ {bound_name}; got {name} {vb:g} with {bound_name} {bb:g}.")
+
+
+def check_positions(positions: Any, num_records: Any, name: str = "positions") -> None:
+    """1-based record positions: integers in 1..num_records (num_records an integer ≥ 1)."""
+    check_integer(name, positions)
+    check_integer("num_records", num_records)
+    check_not_above(name, positions, "num_records", num_records)
+
+
+def check_learning_rate(learning_rate: Any, smoothness: Any, strong_convexity: Any = 0.0) -> None:
+    r"""The one step-size rule of the library: :math:`0 < η ≤ 2/(β + ρ)`, with β > 0, 0 ≤ ρ ≤ β.
+
+    Why this rule. For a convex β-smooth loss the gradient step :math:`ψ(y) = y - η∇ℓ(y)` is
+    non-expansive for :math:`0 < η ≤ 2/β` (co-coercivity:
+    :math:`\|ψ(x) - ψ(y)\|^2 ≤ \|x - y\|^2 - η(2/β - η)\|∇ℓ(x) - ∇ℓ(y)\|^2`). If ℓ is also
+    ρ-strongly convex, Bubeck's Lemma 3.11,
+    :math:`⟨g_x - g_y, x - y⟩ ≥ \frac{βρ}{β+ρ}\|x-y\|^2 + \frac{1}{β+ρ}\|g_x - g_y\|^2`, gives
+    :math:`\|ψ(x) - ψ(y)\|^2 ≤ (1 - \frac{2ηβρ}{β+ρ})\|x-y\|^2 + η(η - \frac{2}{β+ρ})\|g_x - g_y\|^2`,
+    so the contraction :math:`M = \sqrt{1 - 2ηβρ/(β+ρ)}` of :func:`step_contraction` holds
+    exactly when :math:`η ≤ 2/(β+ρ)`; the boundary is included (the last term is then 0).
+    With ρ = 0 the rule is η ≤ 2/β. Every analysis (contraction, iteration, strongly
+    convex) and the training loop use this one rule. (For ρ > 0, steps in
+    (2/(β+ρ), 2/β] are still non-expansive but M's formula does not hold there; they are
+    rejected rather than accounted with a second rule.)
+
+    Raises ``ValueError`` naming ``learning_rate``, ``smoothness`` or ``strong_convexity``.
+    """
+    check_in_range("smoothness", smoothness, 0.0, math.inf, lo_open=True)
+    check_in_range("strong_convexity", strong_convexity, 0.0, math.inf)
+    check_in_range("learning_rate", learning_rate, 0.0, math.inf, lo_open=True)
+    if not (is_concrete(smoothness) and is_concrete(strong_convexity)):
+        return
+    b = np.asarray(smoothness, dtype=np.float64)
+    rho = np.asarray(strong_convexity, dtype=np.float64)
+    shape = np.broadcast_shapes(rho.shape, b.shape)
+    bad = np.broadcast_to(rho > b, shape)
+    if np.any(bad):
+        raise ValueError(
+            "strong_convexity must be ≤ smoothness (a ρ-strongly convex, β-smooth loss has ρ ≤ β); "
+            f"got strong_convexity {np.broadcast_to(rho, shape)[bad][0]:g} > "
+            f"smoothness {np.broadcast_to(b, shape)[bad][0]:g}."
+        )
+    if not is_concrete(learning_rate):
+        return
+    eta = np.asarray(learning_rate, dtype=np.float64)
+    shape = np.broadcast_shapes(eta.shape, shape)
+    # The same float64 test as learning_rate_valid, so eager and traced agree.
+    bad = np.broadcast_to(eta * (b + rho) > 2.0, shape)
+    if np.any(bad):
+        limit = np.broadcast_to(2.0 / (b + rho), shape)[bad][0]
+        raise ValueError(
+            "learning_rate must be ≤ 2/(smoothness + strong_convexity) (then the gradient step is "
+            f"non-expansive, with the contraction of step_contraction); got learning_rate "
+            f"{np.broadcast_to(eta, shape)[bad][0]:g} > {limit:g}."
+        )
+
+
+def learning_rate_valid(learning_rate: jax.Array, smoothness: jax.Array, strong_convexity: jax.Array) -> jax.Array:
+    """Traced form of :func:`check_learning_rate` (True where the rule holds)."""
+    eta, beta, rho = learning_rate, smoothness, strong_convexity
+    return (
+        (beta > 0) & jnp.isfinite(beta) & (rho >= 0) & (rho <= beta) & (eta > 0) & (eta * (beta + rho) <= 2.0)
+    )
+
+
+def is_int(x: jax.Array, lo: float = 1.0) -> jax.Array:
+    """Traced: ``x`` is a finite integer ≥ ``lo``."""
+    return (x >= lo) & (x == jnp.floor(x)) & jnp.isfinite(x)
+
+
+def nan_unless(valid: jax.Array, value: jax.Array) -> jax.Array:
+    """``value`` where ``valid``, NaN elsewhere (invalid inputs under jit never give a number)."""
+    return jnp.where(valid, value, jnp.nan)

@@ -93,8 +93,8 @@ def _cmd_epsilon(args) -> int:
 def _cmd_calibrate(args) -> int:
     from . import accounting as A
 
-    res = A.calibrate_sigma(args.epsilon, args.q, args.steps, args.delta, orders=_orders(args), method=args.method)
-    sigma, eps = float(res.sigma), float(res.epsilon)
+    res = A.calibrate_noise_multiplier(args.epsilon, args.q, args.steps, args.delta, orders=_orders(args), method=args.method)
+    sigma, eps = float(res.noise_multiplier), float(res.epsilon)
     payload = dict(target_epsilon=args.epsilon, q=args.q, steps=args.steps, delta=args.delta, sigma=sigma, epsilon=eps)
     if not math.isfinite(sigma):
         lines = [f"no noise multiplier up to 1e4 reaches epsilon <= {args.epsilon:g}"]

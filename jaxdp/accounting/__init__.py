@@ -20,7 +20,7 @@ from ._conversion import EpsilonResult as EpsilonResult
 from ._conversion import rdp_to_delta as rdp_to_delta
 from ._conversion import rdp_to_epsilon as rdp_to_epsilon
 from ._dpsgd import CalibrationResult as CalibrationResult
-from ._dpsgd import calibrate_sigma as calibrate_sigma
+from ._dpsgd import calibrate_noise_multiplier as calibrate_noise_multiplier
 from ._dpsgd import dpsgd_epsilon as dpsgd_epsilon
 from ._dpsgd import schedule_epsilon as schedule_epsilon
 from ._iteration import linear_rdp_delta as linear_rdp_delta
@@ -40,7 +40,7 @@ from ._rdp import sampled_gaussian_rdp as sampled_gaussian_rdp
 __all__ = [
     "DEFAULT_ORDERS",
     "calibrate_pnsgd_noise_std",
-    "calibrate_sigma",
+    "calibrate_noise_multiplier",
     "CalibrationResult",
     "DeltaResult",
     "dpsgd_epsilon",

@@ -16,7 +16,7 @@ the parameter), and gives NaN under ``jit`` for invalid inputs.
 Conventions: ``epsilon`` is :math:`ε = \log γ` (never γ, which overflows). The PNSGD update
 is :math:`Y ← Π_K(Y - η(∇ℓ(Y, x) + Z))`, :math:`Z \sim N(0, σ^2 I)`, so ``noise_std`` is the
 noise standard deviation on the gradient and :math:`ησ` the one on the parameters.
-``position`` is the 1-based index i of the record in the (fixed) processing order.
+``positions`` is the 1-based index i of the record in the (fixed) processing order.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import numpy as np
 
 from .. import _validate
 from .._numerics import f64, float64, log_ndtr
+from .._validate import check_integer, check_learning_rate, check_positions, is_int, learning_rate_valid, nan_unless
 
 __all__ = [
     "gaussian_hockey_stick",
@@ -64,32 +65,8 @@ _SAFETY_REL = 1e-12
 
 
 # ---------------------------------------------------------------------------------------
-# Validation helpers (eager, concrete values only).
+# Traced validity shared by the PNSGD bounds.
 # ---------------------------------------------------------------------------------------
-
-
-def _check_integer(name: str, value, lo: float = 1.0) -> None:
-    """Concrete ``value`` must be an integer ≥ ``lo`` (floats holding integers are fine)."""
-    if not _validate.is_concrete(value):
-        return
-    _validate.check_in_range(name, value, lo, math.inf)
-    arr = np.asarray(value, dtype=np.float64)
-    bad = arr != np.floor(arr)
-    if np.any(bad):
-        raise ValueError(f"{name} must be an integer ≥ {lo:g}; got {np.ravel(arr)[np.ravel(bad)][0]:g}.")
-
-
-def _check_position(position, steps) -> None:
-    _check_integer("position", position)
-    _check_integer("steps", steps)
-    if _validate.is_concrete(position) and _validate.is_concrete(steps):
-        p = np.asarray(position, dtype=np.float64)
-        s = np.asarray(steps, dtype=np.float64)
-        bad = np.broadcast_to(p > s, np.broadcast_shapes(p.shape, s.shape))
-        if np.any(bad):
-            pb = np.broadcast_to(p, bad.shape)[bad][0]
-            sb = np.broadcast_to(s, bad.shape)[bad][0]
-            raise ValueError(f"position must be in 1..steps; got position {pb:g} with steps {sb:g}.")
 
 
 def _run_valid(lip, sig, eta, dia, m_c):
@@ -106,14 +83,6 @@ def _run_valid(lip, sig, eta, dia, m_c):
         & (m_c >= 0)
         & (m_c <= 1)
     )
-
-
-def _is_int(x: jax.Array, lo: float = 1.0) -> jax.Array:
-    return (x >= lo) & (x == jnp.floor(x)) & jnp.isfinite(x)
-
-
-def _nan_unless(valid: jax.Array, value: jax.Array) -> jax.Array:
-    return jnp.where(valid, value, jnp.nan)
 
 
 # ---------------------------------------------------------------------------------------
@@ -263,7 +232,7 @@ def log_gaussian_hockey_stick(epsilon, r) -> jax.Array:
     eps = f64(epsilon)
     r = f64(r)
     lt, _ = _theta_core(eps, r)
-    return _nan_unless((eps >= 0) & (r >= 0), lt)
+    return nan_unless((eps >= 0) & (r >= 0), lt)
 
 
 @float64
@@ -306,7 +275,7 @@ def gaussian_hockey_stick(epsilon, r) -> jax.Array:
     # r = 0). The term below is 0 in value and carries that slope.
     origin = (eps == 0) & (r == 0)
     slope = jnp.where(origin, math.exp(-_LOG_SQRT_2PI) * (r - jax.lax.stop_gradient(r)), 0.0)
-    return _nan_unless((eps >= 0) & (r >= 0), jnp.exp(lt) + slope)
+    return nan_unless((eps >= 0) & (r >= 0), jnp.exp(lt) + slope)
 
 
 @float64
@@ -337,7 +306,7 @@ def gaussian_hockey_stick_complement(epsilon, r) -> jax.Array:
     eps = f64(epsilon)
     r = f64(r)
     _, lc = _theta_core(eps, r)
-    return _nan_unless((eps >= 0) & (r >= 0), jnp.exp(lc))
+    return nan_unless((eps >= 0) & (r >= 0), jnp.exp(lc))
 
 
 def _log_laplace(eps: jax.Array, shift: jax.Array, scale: jax.Array) -> jax.Array:
@@ -381,7 +350,7 @@ def laplace_hockey_stick(epsilon, shift, scale) -> jax.Array:
     eps, shift, scale = f64(epsilon), f64(shift), f64(scale)
     valid = (eps >= 0) & (shift >= 0) & (scale > 0) & jnp.isfinite(scale) & jnp.isfinite(shift)
     scale_s = jnp.where(valid, scale, 1.0)
-    return _nan_unless(valid, jnp.exp(_log_laplace(eps, shift, scale_s)))
+    return nan_unless(valid, jnp.exp(_log_laplace(eps, shift, scale_s)))
 
 
 # ---------------------------------------------------------------------------------------
@@ -389,45 +358,11 @@ def laplace_hockey_stick(epsilon, shift, scale) -> jax.Array:
 # ---------------------------------------------------------------------------------------
 
 
-def _check_step(lr, smoothness, strong_convexity) -> None:
-    _validate.check_in_range("smoothness", smoothness, 0.0, math.inf, lo_open=True)
-    _validate.check_in_range("strong_convexity", strong_convexity, 0.0, math.inf)
-    _validate.check_in_range("lr", lr, 0.0, math.inf, lo_open=True)
-    if _validate.is_concrete(smoothness) and _validate.is_concrete(strong_convexity):
-        b = np.asarray(smoothness, dtype=np.float64)
-        rho = np.asarray(strong_convexity, dtype=np.float64)
-        bad = rho > b
-        if np.any(bad):
-            rb = np.broadcast_to(rho, np.broadcast_shapes(rho.shape, b.shape))
-            bb = np.broadcast_to(b, rb.shape)
-            k = np.broadcast_to(bad, rb.shape)
-            raise ValueError(
-                "strong_convexity must be ≤ smoothness (a ρ-strongly convex, β-smooth loss has ρ ≤ β); "
-                f"got strong_convexity {rb[k][0]:g} > smoothness {bb[k][0]:g}."
-            )
-        if _validate.is_concrete(lr):
-            eta = np.asarray(lr, dtype=np.float64)
-            limit = 2.0 / (b + rho)
-            bad = eta >= limit
-            if np.any(bad):
-                shape = np.broadcast_shapes(eta.shape, limit.shape)
-                k = np.broadcast_to(bad, shape)
-                raise ValueError(
-                    "lr must be < 2/(smoothness + strong_convexity) for the gradient step to be "
-                    f"contractive; got lr {np.broadcast_to(eta, shape)[k][0]:g} ≥ "
-                    f"{np.broadcast_to(limit, shape)[k][0]:g}."
-                )
-
-
-def _step_valid(lr, beta, rho) -> jax.Array:
-    return (beta > 0) & jnp.isfinite(beta) & (rho >= 0) & (rho <= beta) & (lr > 0) & (lr * (beta + rho) < 2.0)
-
-
 @float64
-def step_contraction(lr, smoothness, strong_convexity=0.0) -> jax.Array:
+def step_contraction(learning_rate, smoothness, strong_convexity=0.0) -> jax.Array:
     r"""Lipschitz constant M of the gradient step :math:`ψ(y) = y - η∇ℓ(y, x)`.
 
-    .. math:: M = \sqrt{1 - \frac{2ηβρ}{β + ρ}}, \qquad 0 < η < \frac{2}{β + ρ},\ 0 ≤ ρ ≤ β.
+    .. math:: M = \sqrt{1 - \frac{2ηβρ}{β + ρ}}, \qquad 0 < η ≤ \frac{2}{β + ρ},\ 0 ≤ ρ ≤ β.
 
     M = 1 exactly when ρ = 0 (the step is then non-expansive); M ∈ [0, 1) when ρ > 0.
 
@@ -435,13 +370,16 @@ def step_contraction(lr, smoothness, strong_convexity=0.0) -> jax.Array:
     constraint set for every record x. The library cannot check convexity of a user's loss.
 
     Args:
-      lr: learning rate η, with 0 < η < 2/(β + ρ) (the strict inequality of Lemma 4; the
-        boundary is rejected, conservatively).
+      learning_rate: learning rate η, with 0 < η ≤ 2/(β + ρ). This is the library's one
+        step-size rule (``jaxdp._validate.check_learning_rate``, shared with training): by
+        Bubeck's Lemma 3.11, :math:`\|ψ(x)-ψ(y)\|^2 ≤ M^2\|x-y\|^2 + η(η - \frac{2}{β+ρ})\|∇ℓ(x)-∇ℓ(y)\|^2`,
+        so M holds up to and including the boundary (the paper's Lemma 4 states the
+        strict inequality; its proof does not need it). With ρ = 0 it is η ≤ 2/β.
       smoothness: β > 0.
       strong_convexity: ρ in [0, β].
 
     Returns:
-      M in [0, 1], float64. Raises ``ValueError`` naming ``lr``, ``smoothness`` or
+      M in [0, 1], float64. Raises ``ValueError`` naming ``learning_rate``, ``smoothness`` or
       ``strong_convexity`` for concrete invalid values; NaN under ``jit``.
 
     References:
@@ -453,14 +391,14 @@ def step_contraction(lr, smoothness, strong_convexity=0.0) -> jax.Array:
       >>> round(float(jaxdp.accounting.step_contraction(0.5, 1.0, 0.5)), 12)
       0.816496580928
     """
-    _check_step(lr, smoothness, strong_convexity)
-    eta, beta, rho = f64(lr), f64(smoothness), f64(strong_convexity)
-    valid = _step_valid(eta, beta, rho)
+    check_learning_rate(learning_rate, smoothness, strong_convexity)
+    eta, beta, rho = f64(learning_rate), f64(smoothness), f64(strong_convexity)
+    valid = learning_rate_valid(eta, beta, rho)
     denom = jnp.where(valid, beta + rho, 1.0)
     m2 = jnp.maximum(1.0 - 2.0 * eta * beta * rho / denom, 0.0)  # clamp rounding below 0
     m = jnp.sqrt(jnp.where(m2 > 0, m2, 1.0))
     m = jnp.where(m2 > 0, m, 0.0)
-    return _nan_unless(valid, jnp.where(rho == 0, 1.0, m))
+    return nan_unless(valid, jnp.where(rho == 0, 1.0, m))
 
 
 # ---------------------------------------------------------------------------------------
@@ -468,37 +406,38 @@ def step_contraction(lr, smoothness, strong_convexity=0.0) -> jax.Array:
 # ---------------------------------------------------------------------------------------
 
 
-def _check_pnsgd(position, steps, lipschitz, noise_std, lr, diameter, contraction, batch_size, passes) -> None:
-    _check_position(position, steps)
+def _check_pnsgd(positions, num_records, lipschitz, noise_std, learning_rate, diameter, contraction, batch_size, passes) -> None:
+    check_positions(positions, num_records)
     _validate.check_in_range("lipschitz", lipschitz, 0.0, math.inf)
     _validate.check_in_range("noise_std", noise_std, 0.0, math.inf, lo_open=True)
-    _validate.check_in_range("lr", lr, 0.0, math.inf, lo_open=True)
+    _validate.check_in_range("learning_rate", learning_rate, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("diameter", diameter, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("contraction", contraction, 0.0, 1.0)
-    _check_integer("batch_size", batch_size)
-    _check_integer("passes", passes)
+    check_integer("batch_size", batch_size)
+    _validate.check_not_above("batch_size", batch_size, "num_records", num_records)
+    check_integer("passes", passes)
 
 
-def _batch_geometry(position, steps, batch_size):
+def _batch_geometry(positions, num_records, batch_size):
     """(j, m, b_eff): batch index of the record, number of batches per pass, its batch size.
 
     Batches are consecutive blocks of ``batch_size`` records in the fixed order; when
-    ``steps`` is not a multiple, the last batch holds the remaining records and its averaged
+    ``num_records`` is not a multiple, the last batch holds the remaining records and its averaged
     gradient has the larger sensitivity 2L/b_last (taken into account, conservatively exact).
     """
-    j = jnp.ceil(position / batch_size)
-    m = jnp.ceil(steps / batch_size)
-    b_last = steps - (m - 1.0) * batch_size
+    j = jnp.ceil(positions / batch_size)
+    m = jnp.ceil(num_records / batch_size)
+    b_last = num_records - (m - 1.0) * batch_size
     b_eff = jnp.where(j >= m, b_last, batch_size)
     return j, m, b_eff
 
 
-def _pnsgd_setup(position, steps, lipschitz, noise_std, lr, diameter, contraction, batch_size, passes):
+def _pnsgd_setup(positions, num_records, lipschitz, noise_std, learning_rate, diameter, contraction, batch_size, passes):
     """Float64 arrays, validity mask, and (r_first, r_c, K): log δ = log θ(r_first) + K log θ(r_c)."""
     pos, n, lip, sig, eta, dia, m_c, b, k = (
-        f64(x) for x in (position, steps, lipschitz, noise_std, lr, diameter, contraction, batch_size, passes)
+        f64(x) for x in (positions, num_records, lipschitz, noise_std, learning_rate, diameter, contraction, batch_size, passes)
     )
-    valid = _is_int(pos) & _is_int(n) & (pos <= n) & _run_valid(lip, sig, eta, dia, m_c) & _is_int(b) & _is_int(k)
+    valid = is_int(pos) & is_int(n) & (pos <= n) & _run_valid(lip, sig, eta, dia, m_c) & is_int(b) & is_int(k)
     j, m, b_eff = _batch_geometry(pos, n, b)
     sig_s = jnp.where(valid, sig, 1.0)
     eta_s = jnp.where(valid, eta, 1.0)
@@ -547,7 +486,7 @@ def _log_delta_slope(eps, r_first, rc, later):
 _PNSGD_DOC_ASSUMPTIONS = """
     Assumptions (not checked by the library): for every record x, :math:`y ↦ ℓ(y, x)` is
     convex, L-Lipschitz (:math:`\\|∇ℓ\\| ≤ L`), β-smooth and ρ-strongly convex on the
-    compact convex set K of diameter D; η < 2/(β + ρ) so that each gradient step is
+    compact convex set K of diameter D; η ≤ 2/(β + ρ) so that each gradient step is
     M-Lipschitz (see :func:`step_contraction`); the Gaussian noise is fresh and
     independent at every step; only the final iterate is released (intermediate iterates
     stay hidden); the records are processed in a fixed, data-independent order."""
@@ -555,7 +494,7 @@ _PNSGD_DOC_ASSUMPTIONS = """
 
 @float64
 def log_pnsgd_contraction_delta(
-    epsilon, position, steps, lipschitz, noise_std, lr, diameter, contraction=1.0, *, batch_size=1, passes=1
+    epsilon, positions, num_records, lipschitz, noise_std, learning_rate, diameter, contraction=1.0, *, batch_size=1, passes=1
 ) -> jax.Array:
     r"""log δ of :func:`pnsgd_contraction_delta` (finite when δ underflows).
 
@@ -569,24 +508,24 @@ def log_pnsgd_contraction_delta(
       -1179.2808
     """
     _validate.check_in_range("epsilon", epsilon, 0.0, math.inf, allow_inf=True)
-    _check_pnsgd(position, steps, lipschitz, noise_std, lr, diameter, contraction, batch_size, passes)
-    args = (f64(x) for x in (epsilon, position, steps, lipschitz, noise_std, lr, diameter, contraction, batch_size, passes))
+    _check_pnsgd(positions, num_records, lipschitz, noise_std, learning_rate, diameter, contraction, batch_size, passes)
+    args = (f64(x) for x in (epsilon, positions, num_records, lipschitz, noise_std, learning_rate, diameter, contraction, batch_size, passes))
     return _log_delta_core(*args)
 
 
 @jax.jit
-def _log_delta_core(eps, position, steps, lipschitz, noise_std, lr, diameter, contraction, batch_size, passes):
+def _log_delta_core(eps, positions, num_records, lipschitz, noise_std, learning_rate, diameter, contraction, batch_size, passes):
     valid, r_first, rc, later = _pnsgd_setup(
-        position, steps, lipschitz, noise_std, lr, diameter, contraction, batch_size, passes
+        positions, num_records, lipschitz, noise_std, learning_rate, diameter, contraction, batch_size, passes
     )
-    return _nan_unless(valid & (eps >= 0), _log_delta_from(eps, r_first, rc, later))
+    return nan_unless(valid & (eps >= 0), _log_delta_from(eps, r_first, rc, later))
 
 
 @float64
 def pnsgd_contraction_delta(
-    epsilon, position, steps, lipschitz, noise_std, lr, diameter, contraction=1.0, *, batch_size=1, passes=1
+    epsilon, positions, num_records, lipschitz, noise_std, learning_rate, diameter, contraction=1.0, *, batch_size=1, passes=1
 ) -> jax.Array:
-    r"""δ(ε) of projected noisy SGD for the record at ``position`` (Theorem 4 and extensions).
+    r"""δ(ε) of projected noisy SGD for the record at ``positions`` (Theorem 4 and extensions).
 
     One pass, batch size 1 (Theorem 4 of Asoodeh et al.): the record processed at step i of
     n is (ε, δ)-DP with
@@ -620,19 +559,19 @@ def pnsgd_contraction_delta(
 
     Assumptions (not checked by the library): for every record x, :math:`y ↦ ℓ(y, x)` is
     convex, L-Lipschitz (:math:`\|∇ℓ\| ≤ L`), β-smooth and ρ-strongly convex on the
-    compact convex set K of diameter D; η < 2/(β + ρ) so that each gradient step is
+    compact convex set K of diameter D; η ≤ 2/(β + ρ) so that each gradient step is
     M-Lipschitz (see :func:`step_contraction`); the Gaussian noise is fresh and
     independent at every step; only the final iterate is released (intermediate iterates
     stay hidden); the records are processed in a fixed, data-independent order.
 
     Args:
       epsilon: ε ≥ 0.
-      position: 1-based index i of the record, integer in 1..``steps``.
-      steps: number n of records (one pass has n records; with batch size 1, n steps).
+      positions: 1-based index i of the record, integer in 1..``num_records``.
+      num_records: number n of records (one pass has n records; with batch size 1, n steps).
       lipschitz: L ≥ 0, bound on every per-record gradient norm.
       noise_std: σ > 0, standard deviation of the Gaussian noise added to the (averaged)
         gradient (the parameter noise is ησ).
-      lr: learning rate η > 0.
+      learning_rate: learning rate η > 0.
       diameter: D > 0, diameter of the constraint set.
       contraction: M in [0, 1], from :func:`step_contraction` (1 for convex losses).
       batch_size: records per step b ≥ 1 (integer).
@@ -653,7 +592,7 @@ def pnsgd_contraction_delta(
     """
     return jnp.exp(
         log_pnsgd_contraction_delta(
-            epsilon, position, steps, lipschitz, noise_std, lr, diameter, contraction, batch_size=batch_size, passes=passes
+            epsilon, positions, num_records, lipschitz, noise_std, learning_rate, diameter, contraction, batch_size=batch_size, passes=passes
         )
     )
 
@@ -716,7 +655,7 @@ def _check_delta_target(delta) -> None:
 
 @float64
 def pnsgd_contraction_epsilon(
-    delta, position, steps, lipschitz, noise_std, lr, diameter, contraction=1.0, *, batch_size=1, passes=1
+    delta, positions, num_records, lipschitz, noise_std, learning_rate, diameter, contraction=1.0, *, batch_size=1, passes=1
 ) -> jax.Array:
     r"""Smallest ε with :func:`pnsgd_contraction_delta` (ε) ≤ δ, per position.
 
@@ -730,9 +669,9 @@ def pnsgd_contraction_epsilon(
 
     Args:
       delta: target δ in (0, 1).
-      position, steps, lipschitz, noise_std, lr, diameter, contraction, batch_size, passes:
+      positions, num_records, lipschitz, noise_std, learning_rate, diameter, contraction, batch_size, passes:
         as in :func:`pnsgd_contraction_delta` (same assumptions: convex, L-Lipschitz,
-        β-smooth, ρ-strongly convex loss, η < 2/(β+ρ), hidden iterates, fixed order).
+        β-smooth, ρ-strongly convex loss, η ≤ 2/(β+ρ), hidden iterates, fixed order).
 
     Returns:
       ε ≥ 0, float64, broadcast shape. NaN under ``jit`` for invalid inputs.
@@ -747,15 +686,15 @@ def pnsgd_contraction_epsilon(
       2.754009076
     """
     _check_delta_target(delta)
-    _check_pnsgd(position, steps, lipschitz, noise_std, lr, diameter, contraction, batch_size, passes)
-    args = (f64(x) for x in (delta, position, steps, lipschitz, noise_std, lr, diameter, contraction, batch_size, passes))
+    _check_pnsgd(positions, num_records, lipschitz, noise_std, learning_rate, diameter, contraction, batch_size, passes)
+    args = (f64(x) for x in (delta, positions, num_records, lipschitz, noise_std, learning_rate, diameter, contraction, batch_size, passes))
     return _pnsgd_eps_core(*args)
 
 
 @jax.jit
-def _pnsgd_eps_core(dlt, position, steps, lipschitz, noise_std, lr, diameter, contraction, batch_size, passes):
+def _pnsgd_eps_core(dlt, positions, num_records, lipschitz, noise_std, learning_rate, diameter, contraction, batch_size, passes):
     valid, r_first, rc, later = _pnsgd_setup(
-        position, steps, lipschitz, noise_std, lr, diameter, contraction, batch_size, passes
+        positions, num_records, lipschitz, noise_std, learning_rate, diameter, contraction, batch_size, passes
     )
     valid = valid & (dlt > 0) & (dlt < 1)
     log_t = jnp.log(jnp.where(valid, dlt, 0.5))
@@ -768,7 +707,7 @@ def _pnsgd_eps_core(dlt, position, steps, lipschitz, noise_std, lr, diameter, co
         _eps_bracket(r_first, log_t),
         slope_fn=lambda e, r1_, rc_, lt_: _log_delta_slope(e, r1_, rc_, later),
     )
-    return _nan_unless(valid, eps)
+    return nan_unless(valid, eps)
 
 
 # ---------------------------------------------------------------------------------------
@@ -777,8 +716,8 @@ def _pnsgd_eps_core(dlt, position, steps, lipschitz, noise_std, lr, diameter, co
 
 
 @float64
-def pnsgd_laplace_delta(epsilon, position, steps, lipschitz, scale, lr, interval_length, contraction=1.0) -> jax.Array:
-    r"""δ(ε) of 1-D projected noisy SGD with Laplace noise, for the record at ``position``.
+def pnsgd_laplace_delta(epsilon, positions, num_records, lipschitz, scale, learning_rate, interval_length, contraction=1.0) -> jax.Array:
+    r"""δ(ε) of 1-D projected noisy SGD with Laplace noise, for the record at ``positions``.
 
     .. math::
         δ = \Big[1 - e^{ε/2 - L/v}\Big]_+ \Big[1 - e^{ε/2 - M(b-a)/(2ηv)}\Big]_+^{\,n-i},
@@ -789,17 +728,17 @@ def pnsgd_laplace_delta(epsilon, position, steps, lipschitz, scale, lr, interval
     first threshold applies. This function follows the formula, which is correct.)
 
     Assumptions (not checked): the constraint set is the interval [a, b] (1-D); for every
-    record the loss is convex, L-Lipschitz, β-smooth and ρ-strongly convex; η < 2/(β+ρ);
+    record the loss is convex, L-Lipschitz, β-smooth and ρ-strongly convex; η ≤ 2/(β+ρ);
     the noise :math:`Z \sim \mathcal L(0, v)` is added to the gradient (parameter noise
     scale ηv); hidden intermediate iterates; one pass in a fixed order.
 
     Args:
       epsilon: ε ≥ 0.
-      position: i in 1..``steps``.
-      steps: n ≥ 1.
+      positions: i in 1..``num_records``.
+      num_records: n ≥ 1.
       lipschitz: L ≥ 0.
       scale: Laplace scale v > 0 (variance 2v²).
-      lr: η > 0.
+      learning_rate: η > 0.
       interval_length: b − a > 0.
       contraction: M in [0, 1] (:func:`step_contraction`).
 
@@ -815,19 +754,19 @@ def pnsgd_laplace_delta(epsilon, position, steps, lipschitz, scale, lr, interval
       0.000701091091
     """
     _validate.check_in_range("epsilon", epsilon, 0.0, math.inf, allow_inf=True)
-    _check_position(position, steps)
+    check_positions(positions, num_records)
     _validate.check_in_range("lipschitz", lipschitz, 0.0, math.inf)
     _validate.check_in_range("scale", scale, 0.0, math.inf, lo_open=True)
-    _validate.check_in_range("lr", lr, 0.0, math.inf, lo_open=True)
+    _validate.check_in_range("learning_rate", learning_rate, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("interval_length", interval_length, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("contraction", contraction, 0.0, 1.0)
     eps, pos, n, lip, v, eta, width, m_c = (
-        f64(x) for x in (epsilon, position, steps, lipschitz, scale, lr, interval_length, contraction)
+        f64(x) for x in (epsilon, positions, num_records, lipschitz, scale, learning_rate, interval_length, contraction)
     )
     valid = (
         (eps >= 0)
-        & _is_int(pos)
-        & _is_int(n)
+        & is_int(pos)
+        & is_int(n)
         & (pos <= n)
         & (lip >= 0)
         & jnp.isfinite(lip)
@@ -848,7 +787,7 @@ def pnsgd_laplace_delta(epsilon, position, steps, lipschitz, scale, lr, interval
     later = jnp.where(valid, n - pos, 0.0)
     has_later = later > 0
     log_d = l1 + jnp.where(has_later, later * jnp.where(has_later, lc, 0.0), 0.0)
-    return _nan_unless(valid, jnp.exp(log_d))
+    return nan_unless(valid, jnp.exp(log_d))
 
 
 # ---------------------------------------------------------------------------------------
@@ -856,14 +795,14 @@ def pnsgd_laplace_delta(epsilon, position, steps, lipschitz, scale, lr, interval
 # ---------------------------------------------------------------------------------------
 
 
-def _stop_setup(steps, lipschitz, noise_std, lr, diameter, contraction, position):
-    n, lip, sig, eta, dia, m_c = (f64(x) for x in (steps, lipschitz, noise_std, lr, diameter, contraction))
-    valid = _is_int(n) & _run_valid(lip, sig, eta, dia, m_c)
-    if position is None:
+def _stop_setup(num_records, lipschitz, noise_std, learning_rate, diameter, contraction, positions):
+    n, lip, sig, eta, dia, m_c = (f64(x) for x in (num_records, lipschitz, noise_std, learning_rate, diameter, contraction))
+    valid = is_int(n) & _run_valid(lip, sig, eta, dia, m_c)
+    if positions is None:
         count = None
     else:
-        pos = f64(position)
-        valid = valid & _is_int(pos) & (pos <= n)
+        pos = f64(positions)
+        valid = valid & is_int(pos) & (pos <= n)
         count = jnp.where(valid, n - pos + 1.0, 1.0)
     sig_s = jnp.where(valid, sig, 1.0)
     eta_s = jnp.where(valid, eta, 1.0)
@@ -893,7 +832,7 @@ def _stop_log_delta(eps, r1, rc, n, count):
 
 @float64
 def stop_pnsgd_contraction_delta(
-    epsilon, steps, lipschitz, noise_std, lr, diameter, contraction=1.0, *, position=None
+    epsilon, num_records, lipschitz, noise_std, learning_rate, diameter, contraction=1.0, *, positions=None
 ) -> jax.Array:
     r"""δ(ε) of randomly stopped PNSGD (uniform stopping time on 1..n), Theorem 5.
 
@@ -905,24 +844,24 @@ def stop_pnsgd_contraction_delta(
         ≤ \frac{θ_1}{n (1 - θ_c)},
         \qquad θ_1 = θ_{e^ε}(2L/σ),\ θ_c = θ_{e^ε}(MD/(ησ)).
 
-    With ``position=None`` this returns the uniform bound (16); with a position it returns
+    With ``positions=None`` this returns the uniform bound (16); with a position it returns
     the tighter exact sum for that record (worst case i = 1). Both are clipped at 1
     (:math:`E_γ ≤ 1`; the uniform bound exceeds 1 when σ is small, which is vacuous).
     Unlike the Rényi analysis of Stop-PNSGD, no condition on σ is needed.
 
     Assumptions (not checked): convex, L-Lipschitz, β-smooth, ρ-strongly convex loss on a
-    compact convex set of diameter D; η < 2/(β+ρ); the stopping time is uniform and
+    compact convex set of diameter D; η ≤ 2/(β+ρ); the stopping time is uniform and
     hidden; only :math:`Y_T` is released; one pass in a fixed order; batch size 1.
 
     Args:
       epsilon: ε ≥ 0.
-      steps: n ≥ 1.
+      num_records: n ≥ 1.
       lipschitz: L ≥ 0.
       noise_std: σ > 0 (gradient noise standard deviation).
-      lr: η > 0.
+      learning_rate: η > 0.
       diameter: D > 0.
       contraction: M in [0, 1].
-      position: ``None`` (uniform bound, Eq. (16)) or the record index in 1..n (exact sum).
+      positions: ``None`` (uniform bound, Eq. (16)) or the record index in 1..n (exact sum).
 
     Returns:
       δ in [0, 1], float64 (NaN under ``jit`` for invalid inputs).
@@ -937,31 +876,31 @@ def stop_pnsgd_contraction_delta(
       0.015513708807
     """
     _validate.check_in_range("epsilon", epsilon, 0.0, math.inf, allow_inf=True)
-    _check_stop(steps, lipschitz, noise_std, lr, diameter, contraction, position)
-    args = [f64(x) for x in (epsilon, steps, lipschitz, noise_std, lr, diameter, contraction)]
-    return _stop_delta_core(*args, None if position is None else f64(position))
+    _check_stop(num_records, lipschitz, noise_std, learning_rate, diameter, contraction, positions)
+    args = [f64(x) for x in (epsilon, num_records, lipschitz, noise_std, learning_rate, diameter, contraction)]
+    return _stop_delta_core(*args, None if positions is None else f64(positions))
 
 
 @jax.jit
-def _stop_delta_core(eps, steps, lipschitz, noise_std, lr, diameter, contraction, position):
-    valid, r1, rc, n, count = _stop_setup(steps, lipschitz, noise_std, lr, diameter, contraction, position)
-    return _nan_unless(valid & (eps >= 0), jnp.exp(_stop_log_delta(eps, r1, rc, n, count)))
+def _stop_delta_core(eps, num_records, lipschitz, noise_std, learning_rate, diameter, contraction, positions):
+    valid, r1, rc, n, count = _stop_setup(num_records, lipschitz, noise_std, learning_rate, diameter, contraction, positions)
+    return nan_unless(valid & (eps >= 0), jnp.exp(_stop_log_delta(eps, r1, rc, n, count)))
 
 
-def _check_stop(steps, lipschitz, noise_std, lr, diameter, contraction, position) -> None:
-    _check_integer("steps", steps)
-    if position is not None:
-        _check_position(position, steps)
+def _check_stop(num_records, lipschitz, noise_std, learning_rate, diameter, contraction, positions) -> None:
+    check_integer("num_records", num_records)
+    if positions is not None:
+        check_positions(positions, num_records)
     _validate.check_in_range("lipschitz", lipschitz, 0.0, math.inf)
     _validate.check_in_range("noise_std", noise_std, 0.0, math.inf, lo_open=True)
-    _validate.check_in_range("lr", lr, 0.0, math.inf, lo_open=True)
+    _validate.check_in_range("learning_rate", learning_rate, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("diameter", diameter, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("contraction", contraction, 0.0, 1.0)
 
 
 @float64
 def stop_pnsgd_contraction_epsilon(
-    delta, steps, lipschitz, noise_std, lr, diameter, contraction=1.0, *, position=None
+    delta, num_records, lipschitz, noise_std, learning_rate, diameter, contraction=1.0, *, positions=None
 ) -> jax.Array:
     r"""Smallest ε with :func:`stop_pnsgd_contraction_delta` (ε) ≤ δ (Theorem 5 inverted).
 
@@ -972,7 +911,7 @@ def stop_pnsgd_contraction_epsilon(
 
     Args:
       delta: target δ in (0, 1).
-      steps, lipschitz, noise_std, lr, diameter, contraction, position: as in
+      num_records, lipschitz, noise_std, learning_rate, diameter, contraction, positions: as in
         :func:`stop_pnsgd_contraction_delta` (same assumptions).
 
     Returns:
@@ -988,14 +927,14 @@ def stop_pnsgd_contraction_epsilon(
       1.706621948
     """
     _check_delta_target(delta)
-    _check_stop(steps, lipschitz, noise_std, lr, diameter, contraction, position)
-    args = [f64(x) for x in (delta, steps, lipschitz, noise_std, lr, diameter, contraction)]
-    return _stop_eps_core(*args, None if position is None else f64(position))
+    _check_stop(num_records, lipschitz, noise_std, learning_rate, diameter, contraction, positions)
+    args = [f64(x) for x in (delta, num_records, lipschitz, noise_std, learning_rate, diameter, contraction)]
+    return _stop_eps_core(*args, None if positions is None else f64(positions))
 
 
 @jax.jit
-def _stop_eps_core(dlt, steps, lipschitz, noise_std, lr, diameter, contraction, position):
-    valid, r1, rc, n, count = _stop_setup(steps, lipschitz, noise_std, lr, diameter, contraction, position)
+def _stop_eps_core(dlt, num_records, lipschitz, noise_std, learning_rate, diameter, contraction, positions):
+    valid, r1, rc, n, count = _stop_setup(num_records, lipschitz, noise_std, learning_rate, diameter, contraction, positions)
     valid = valid & (dlt > 0) & (dlt < 1)
     log_t = jnp.log(jnp.where(valid, dlt, 0.5))
     _, lcc0 = _log_theta_and_complement(jnp.zeros_like(rc), rc)
@@ -1007,4 +946,4 @@ def _stop_eps_core(dlt, steps, lipschitz, noise_std, lr, diameter, contraction, 
         lambda e, r1_, rc_, lt_: _stop_log_delta(e, r1_, rc_, n, cnt) - lt_, (r1, rc, log_t), jnp.zeros(shape), hi
     )
     eps = jnp.where(jnp.isfinite(lcc0), eps, jnp.inf)
-    return _nan_unless(valid, eps)
+    return nan_unless(valid, eps)

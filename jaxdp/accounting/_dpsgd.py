@@ -14,12 +14,12 @@ from .._numerics import f64, float64
 from ._conversion import rdp_to_epsilon
 from ._rdp import DEFAULT_ORDERS, heterogeneous_rdp
 
-__all__ = ["dpsgd_epsilon", "schedule_epsilon", "calibrate_sigma", "CalibrationResult"]
+__all__ = ["dpsgd_epsilon", "schedule_epsilon", "calibrate_noise_multiplier", "CalibrationResult"]
 
 
 @float64
-def dpsgd_epsilon(q, sigma, steps, delta, orders=DEFAULT_ORDERS, *, method: str = "improved") -> jax.Array:
-    r"""ε of DP-SGD after ``steps`` Poisson-sampled Gaussian steps, at the target δ.
+def dpsgd_epsilon(q, noise_multiplier, num_steps, delta, orders=DEFAULT_ORDERS, *, method: str = "improved") -> jax.Array:
+    r"""ε of DP-SGD after ``num_steps`` Poisson-sampled Gaussian steps, at the target δ.
 
     :math:`ε = \min_α \mathrm{conv}_δ\big(T\,ε_{q,σ}(α)\big)` with the exact sampled-Gaussian
     RDP (:func:`sampled_gaussian_rdp`) composed over T steps and converted by
@@ -32,9 +32,10 @@ def dpsgd_epsilon(q, sigma, steps, delta, orders=DEFAULT_ORDERS, *, method: str 
     intermediate models may all be released.
 
     Args:
-      q: sampling rate in [0, 1].
-      sigma: noise multiplier > 0.
-      steps: number of steps ≥ 0.
+      q: Poisson sampling rate in [0, 1].
+      noise_multiplier: σ > 0, noise standard deviation divided by the L2 sensitivity C of
+        the clipped sum (add/remove-one neighbours, as dp_accounting and Opacus).
+      num_steps: number of steps ≥ 0.
       delta: target δ in (0, 1).
       orders: Rényi orders (static), default the 156 of dp_accounting.
       method: RDP → DP conversion, ``"improved"`` (default) or ``"classic"``.
@@ -48,18 +49,20 @@ def dpsgd_epsilon(q, sigma, steps, delta, orders=DEFAULT_ORDERS, *, method: str 
       >>> round(float(jaxdp.accounting.dpsgd_epsilon(256 / 60000, 1.1, 14040, 1e-5)), 6)
       2.594363
     """
-    _validate.check_in_range("steps", steps, 0.0, math.inf)
-    q, sigma, steps, delta = (f64(x) for x in (q, sigma, steps, delta))
+    _validate.check_in_range("num_steps", num_steps, 0.0, math.inf)
+    q, sigma, steps, delta = (f64(x) for x in (q, noise_multiplier, num_steps, delta))
     q, sigma, steps, delta = jnp.broadcast_arrays(q, sigma, steps, delta)
     rdp = heterogeneous_rdp(orders, q[..., None], sigma[..., None], steps[..., None])
     return rdp_to_epsilon(rdp, orders, delta, method=method).epsilon
 
 
 @float64
-def schedule_epsilon(q, sigma, steps, delta, orders=DEFAULT_ORDERS, *, method: str = "improved") -> jax.Array:
+def schedule_epsilon(q, noise_multiplier, num_steps, delta, orders=DEFAULT_ORDERS, *, method: str = "improved") -> jax.Array:
     r"""ε of a heterogeneous DP-SGD schedule: segments of (q_s, σ_s, T_s), last axis.
 
     RDP curves of the segments add up (:func:`heterogeneous_rdp`), then convert once.
+    ``noise_multiplier`` is relative to the L2 sensitivity of the clipped sum
+    (add/remove-one neighbours), as in :func:`dpsgd_epsilon`.
 
     Examples:
       >>> import jaxdp
@@ -67,42 +70,45 @@ def schedule_epsilon(q, sigma, steps, delta, orders=DEFAULT_ORDERS, *, method: s
       >>> float(e) > 0
       True
     """
-    rdp = heterogeneous_rdp(orders, q, sigma, steps)
+    rdp = heterogeneous_rdp(orders, q, noise_multiplier, num_steps)
     return rdp_to_epsilon(rdp, orders, delta, method=method).epsilon
 
 
 class CalibrationResult(NamedTuple):
     """Calibrated noise multiplier and the ε it achieves (≤ the target when found)."""
 
-    sigma: jax.Array
+    noise_multiplier: jax.Array
     epsilon: jax.Array
 
 
 @float64
-def calibrate_sigma(
+def calibrate_noise_multiplier(
     target_epsilon,
     q,
-    steps,
+    num_steps,
     delta,
     orders=DEFAULT_ORDERS,
     *,
     method: str = "improved",
-    sigma_bounds: tuple[float, float] = (0.05, 1.0e4),
+    noise_multiplier_bounds: tuple[float, float] = (0.05, 1.0e4),
     iterations: int = 64,
 ) -> CalibrationResult:
     r"""Smallest noise multiplier σ whose DP-SGD ε is at most ``target_epsilon``.
 
+    σ is relative to the L2 sensitivity C of the clipped sum (add/remove-one neighbours,
+    as dp_accounting and Opacus): the noise added to the sum has standard deviation σC.
+
     ε(σ) is non-increasing in σ (each RDP order is), so a bracketed bisection on log σ
-    over ``sigma_bounds`` with a fixed number of iterations finds the threshold; it runs
+    over ``noise_multiplier_bounds`` with a fixed number of iterations finds the threshold; it runs
     under ``jit`` and ``vmap`` (no data-dependent loop). The returned σ is always the
     upper end of the final bracket, at which ε was evaluated and is ≤ the target: it
     never exceeds the target. After 64 halvings of a bracket of width log(2·10^5) the
     relative gap to the exact threshold is below 1e-15.
 
-    If even ``sigma_bounds[1]`` misses the target, σ = +inf (not achievable in range).
-    If ``sigma_bounds[0]`` already meets it, that lower bound is returned.
+    If even ``noise_multiplier_bounds[1]`` misses the target, σ = +inf (not achievable in range).
+    If ``noise_multiplier_bounds[0]`` already meets it, that lower bound is returned.
 
-    Derivatives (``jax.grad``, ``jax.jvp``) of σ with respect to the target, q, steps and δ
+    Derivatives (``jax.grad``, ``jax.jvp``) of σ with respect to the target, q, num_steps and δ
     come from the implicit function theorem on ε(σ*) = target:
     :math:`dσ^* = (d\,\text{target} - ∂_{q,T,δ}ε\cdot d(q,T,δ))/∂_σ ε`, and the returned ε
     moves with the target. Where the target does not bind (σ at a bound, or +inf) σ is
@@ -111,32 +117,34 @@ def calibrate_sigma(
     Args:
       target_epsilon: ε target > 0.
       q: sampling rate in [0, 1].
-      steps: number of steps ≥ 0.
+      num_steps: number of steps ≥ 0.
       delta: δ in (0, 1).
       orders, method: as in :func:`dpsgd_epsilon`.
-      sigma_bounds: search bracket (static), 0 < low < high.
+      noise_multiplier_bounds: search bracket (static), 0 < low < high.
       iterations: bisection steps (static).
 
     Returns:
-      ``CalibrationResult(sigma, epsilon)``, float64, broadcast shape.
+      ``CalibrationResult(noise_multiplier, epsilon)``, float64, broadcast shape.
 
     Examples:
       >>> import jaxdp
-      >>> r = jaxdp.accounting.calibrate_sigma(1.0, 256 / 60000, 14040, 1e-5)
-      >>> float(r.epsilon) <= 1.0, round(float(r.sigma), 3)
+      >>> r = jaxdp.accounting.calibrate_noise_multiplier(1.0, 256 / 60000, 14040, 1e-5)
+      >>> float(r.epsilon) <= 1.0, round(float(r.noise_multiplier), 3)
       (True, 2.178)
     """
     _validate.check_in_range("target_epsilon", target_epsilon, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("q", q, 0.0, 1.0)
-    _validate.check_in_range("steps", steps, 0.0, math.inf)
+    _validate.check_in_range("num_steps", num_steps, 0.0, math.inf)
     _validate.check_in_range("delta", delta, 0.0, 1.0, lo_open=True, hi_open=True)
-    lo_s, hi_s = sigma_bounds
+    lo_s, hi_s = noise_multiplier_bounds
     if not (0 < lo_s < hi_s < math.inf):
-        raise ValueError(f"sigma_bounds must satisfy 0 < low < high < inf; got {sigma_bounds!r}.")
+        raise ValueError(
+            f"noise_multiplier_bounds must satisfy 0 < low < high < inf; got {noise_multiplier_bounds!r}."
+        )
     if int(iterations) < 1:
         raise ValueError(f"iterations must be >= 1; got {iterations!r}.")
     orders = tuple(float(a) for a in _validate.concrete_orders(orders))
-    target, q, steps, delta = (f64(x) for x in (target_epsilon, q, steps, delta))
+    target, q, steps, delta = (f64(x) for x in (target_epsilon, q, num_steps, delta))
     target, q, steps, delta = jnp.broadcast_arrays(target, q, steps, delta)
     return _calibrate_core(target, q, steps, delta, orders=orders, method=method, lo_s=float(lo_s),
                            hi_s=float(hi_s), iterations=int(iterations))

@@ -28,7 +28,8 @@ import numpy as np
 
 from .. import _validate
 from .._numerics import f64, float64, log_expm1
-from ._contraction import _batch_geometry, _check_integer, _check_position, _is_int, _nan_unless
+from .._validate import check_integer, check_positions, is_int, nan_unless
+from ._contraction import _batch_geometry
 
 __all__ = [
     "pnsgd_iteration_rdp",
@@ -59,19 +60,19 @@ def _check_orders(orders) -> None:
     _validate.check_orders("orders", orders)
 
 
-def _check_common(position, steps, lipschitz, noise_std) -> None:
-    _check_position(position, steps)
+def _check_common(positions, num_records, lipschitz, noise_std) -> None:
+    check_positions(positions, num_records)
     _validate.check_in_range("lipschitz", lipschitz, 0.0, math.inf)
     _validate.check_in_range("noise_std", noise_std, 0.0, math.inf, lo_open=True)
 
 
 def _base_valid(pos, n, lip, sig):
-    return _is_int(pos) & _is_int(n) & (pos <= n) & (lip >= 0) & jnp.isfinite(lip) & (sig > 0) & jnp.isfinite(sig)
+    return is_int(pos) & is_int(n) & (pos <= n) & (lip >= 0) & jnp.isfinite(lip) & (sig > 0) & jnp.isfinite(sig)
 
 
 def _pabi_coefficient(pos, n, lip, sig, b, k):
     """c of (α, cα)-RDP for PNSGD with batches and passes (see pnsgd_iteration_rdp)."""
-    valid = _base_valid(pos, n, lip, sig) & _is_int(b) & _is_int(k)
+    valid = _base_valid(pos, n, lip, sig) & is_int(b) & is_int(k)
     j, m, b_eff = _batch_geometry(pos, n, b)
     sig_s = jnp.where(valid, sig, 1.0)
     b_s = jnp.where(valid, b_eff, 1.0)
@@ -84,7 +85,7 @@ def _pabi_coefficient(pos, n, lip, sig, b, k):
 
 def _sc_coefficient(pos, n, lip, sig, m_c, b, form):
     """c of (α, cα)-RDP for strongly convex PNSGD with batches (see strongly_convex_iteration_rdp)."""
-    valid = _base_valid(pos, n, lip, sig) & _is_int(b) & (m_c >= 0) & (m_c <= 1)
+    valid = _base_valid(pos, n, lip, sig) & is_int(b) & (m_c >= 0) & (m_c <= 1)
     j, m, b_eff = _batch_geometry(pos, n, b)
     sig_s = jnp.where(valid, sig, 1.0)
     b_s = jnp.where(valid, b_eff, 1.0)
@@ -113,12 +114,12 @@ def _sc_coefficient(pos, n, lip, sig, m_c, b, form):
 def _with_orders(valid, c, orders):
     orders = f64(orders)
     valid = valid[..., None] & jnp.all(orders > 1)
-    return _nan_unless(valid, c[..., None] * orders)
+    return nan_unless(valid, c[..., None] * orders)
 
 
 @float64
-def pnsgd_iteration_rdp(orders, position, steps, lipschitz, noise_std, *, batch_size=1, passes=1) -> jax.Array:
-    r"""Rényi DP of projected noisy SGD for the record at ``position`` (Feldman et al. Thm 23).
+def pnsgd_iteration_rdp(orders, positions, num_records, lipschitz, noise_std, *, batch_size=1, passes=1) -> jax.Array:
+    r"""Rényi DP of projected noisy SGD for the record at ``positions`` (Feldman et al. Thm 23).
 
     One pass, batch size 1: the record processed at step i of n satisfies
 
@@ -154,15 +155,15 @@ def pnsgd_iteration_rdp(orders, position, steps, lipschitz, noise_std, *, batch_
 
     Assumptions (not checked by the library): for every record, :math:`w ↦ f(w, x)` is
     convex, L-Lipschitz (:math:`\|∇f\| ≤ L`) and β-smooth on a convex set K, with η ≤ 2/β
-    (:func:`step_contraction` enforces the stricter η < 2/(β+ρ)); the starting point is
+    (:func:`step_contraction` enforces the stricter η ≤ 2/(β+ρ)); the starting point is
     data-independent; the noise is fresh and independent; only the final iterate is
     released (hidden intermediate iterates); the order is fixed in advance (it need not be
     random or secret).
 
     Args:
       orders: Rényi orders α > 1, shape ``(k,)``.
-      position: record index i in 1..``steps`` (integer), any shape ``B``.
-      steps: number of records n ≥ 1 (integer).
+      positions: record index i in 1..``num_records`` (integer), any shape ``B``.
+      num_records: number of records n ≥ 1 (integer).
       lipschitz: L ≥ 0.
       noise_std: σ > 0, standard deviation of the noise on the (averaged) gradient.
       batch_size: b ≥ 1 (integer).
@@ -182,17 +183,18 @@ def pnsgd_iteration_rdp(orders, position, steps, lipschitz, noise_std, *, batch_
       [0.0784313725, 0.3921568627]
     """
     _check_orders(orders)
-    _check_common(position, steps, lipschitz, noise_std)
-    _check_integer("batch_size", batch_size)
-    _check_integer("passes", passes)
-    pos, n, lip, sig, b, k = (f64(x) for x in (position, steps, lipschitz, noise_std, batch_size, passes))
+    _check_common(positions, num_records, lipschitz, noise_std)
+    check_integer("batch_size", batch_size)
+    _validate.check_not_above("batch_size", batch_size, "num_records", num_records)
+    check_integer("passes", passes)
+    pos, n, lip, sig, b, k = (f64(x) for x in (positions, num_records, lipschitz, noise_std, batch_size, passes))
     valid, c = _pabi_coefficient(pos, n, lip, sig, b, k)
     return _with_orders(valid, c, orders)
 
 
 @float64
-def skip_pnsgd_iteration_rdp(orders, position, steps, lipschitz, noise_std) -> jax.Array:
-    r"""Rényi DP of Skip-PNSGD for the record at ``position`` (Feldman et al. Thm 24).
+def skip_pnsgd_iteration_rdp(orders, positions, num_records, lipschitz, noise_std) -> jax.Array:
+    r"""Rényi DP of Skip-PNSGD for the record at ``positions`` (Feldman et al. Thm 24).
 
     Skip-PNSGD draws a number t of leading records to skip and runs PNSGD on the rest. If
     t < i the record is processed at step i − t of n − t and is followed by the same
@@ -206,8 +208,8 @@ def skip_pnsgd_iteration_rdp(orders, position, steps, lipschitz, noise_std) -> j
 
     Args:
       orders: α > 1, shape ``(k,)``.
-      position: i in 1..n.
-      steps: n ≥ 1.
+      positions: i in 1..n.
+      num_records: n ≥ 1.
       lipschitz: L ≥ 0.
       noise_std: σ > 0.
 
@@ -222,11 +224,11 @@ def skip_pnsgd_iteration_rdp(orders, position, steps, lipschitz, noise_std) -> j
       >>> round(float(jaxdp.accounting.skip_pnsgd_iteration_rdp([8.0], 5000, 10000, 1.0, 4.0)[0]), 12)
       0.000199960008
     """
-    return pnsgd_iteration_rdp(orders, position, steps, lipschitz, noise_std)
+    return pnsgd_iteration_rdp(orders, positions, num_records, lipschitz, noise_std)
 
 
 @float64
-def stop_pnsgd_iteration_rdp(orders, steps, lipschitz, noise_std, *, position=1, form: str = "harmonic") -> jax.Array:
+def stop_pnsgd_iteration_rdp(orders, num_records, lipschitz, noise_std, *, positions=None, form: str = "harmonic") -> jax.Array:
     r"""Rényi DP of Stop-PNSGD (uniformly random, hidden stopping time), Feldman et al. Thm 26.
 
     Stop-PNSGD draws t uniformly from {1, …, n}, runs t steps and releases :math:`w_t`.
@@ -260,11 +262,11 @@ def stop_pnsgd_iteration_rdp(orders, steps, lipschitz, noise_std, *, position=1,
 
     Args:
       orders: α > 1, shape ``(k,)``.
-      steps: n ≥ 1.
+      num_records: n ≥ 1.
       lipschitz: L ≥ 0.
       noise_std: σ > 0.
-      position: record index i in 1..n (default 1, the worst case: the bound is uniform
-        over records when i = 1).
+      positions: record index i in 1..n, or ``None`` (default) for the bound that holds
+        for every record, which is the one at i = 1 (the worst case).
       form: ``"harmonic"`` or ``"logmeanexp"`` (static).
 
     Returns:
@@ -281,14 +283,16 @@ def stop_pnsgd_iteration_rdp(orders, steps, lipschitz, noise_std, *, position=1,
     """
     _validate.check_static_choice("form", form, _STOP_FORMS)
     _check_orders(orders)
-    _check_common(position, steps, lipschitz, noise_std)
-    return _stop_rdp_core(f64(orders), f64(position), f64(steps), f64(lipschitz), f64(noise_std), form=form)
+    if positions is None:
+        positions = 1
+    _check_common(positions, num_records, lipschitz, noise_std)
+    return _stop_rdp_core(f64(orders), f64(positions), f64(num_records), f64(lipschitz), f64(noise_std), form=form)
 
 
 @functools.partial(jax.jit, static_argnames=("form",))
-def _stop_rdp_core(orders, position, steps, lipschitz, noise_std, form):
+def _stop_rdp_core(orders, positions, num_records, lipschitz, noise_std, form):
     # One compiled program (eager op-by-op dispatch took seconds on a first call).
-    pos, n, lip, sig = (x[..., None] for x in (position, steps, lipschitz, noise_std))
+    pos, n, lip, sig = (x[..., None] for x in (positions, num_records, lipschitz, noise_std))
     valid = _base_valid(pos, n, lip, sig) & (orders > 1)
     sig_s = jnp.where(valid, sig, 1.0)
     n_s = jnp.where(valid, n, 1.0)
@@ -299,7 +303,7 @@ def _stop_rdp_core(orders, position, steps, lipschitz, noise_std, form):
         harmonic = jax.scipy.special.digamma(count + 1.0) + np.euler_gamma
         rdp = 2.0 * x1 * harmonic / n_s
         ok = (alpha - 1.0) * x1 <= 1.0  # σ ≥ L √(2α(α−1))
-        return _nan_unless(valid, jnp.where(ok, rdp, jnp.inf))
+        return nan_unless(valid, jnp.where(ok, rdp, jnp.inf))
     y = (alpha - 1.0) * x1
     t = jnp.arange(1, _STOP_HEAD + 1, dtype=jnp.float64)
     in_head = t <= count[..., None]
@@ -336,12 +340,12 @@ def _stop_rdp_core(orders, position, steps, lipschitz, noise_std, form):
     log_sum = jax.scipy.special.logsumexp(jnp.concatenate([head, log_tail[..., None]], axis=-1), axis=-1)
     rdp = jnp.logaddexp(0.0, log_sum - jnp.log(n_s)) / (alpha - 1.0)
     rdp = jnp.where(y_pos, rdp, 0.0)
-    return _nan_unless(valid, rdp)
+    return nan_unless(valid, rdp)
 
 
 @float64
 def strongly_convex_iteration_rdp(
-    orders, position, steps, lipschitz, noise_std, contraction, *, batch_size=1, form: str = "proposition1"
+    orders, positions, num_records, lipschitz, noise_std, contraction, *, batch_size=1, form: str = "proposition1"
 ) -> jax.Array:
     r"""Rényi DP of PNSGD on a strongly convex loss (Balle et al. Thm 5, as quoted by Asoodeh et al.).
 
@@ -382,13 +386,13 @@ def strongly_convex_iteration_rdp(
     :func:`pnsgd_iteration_rdp`, which is valid for ρ > 0 as well.
 
     Assumptions (not checked): for every record, :math:`w ↦ f(w, x)` is L-Lipschitz,
-    β-smooth and ρ-strongly convex on a convex set, η < 2/(β+ρ) (so that M is the Lipschitz
+    β-smooth and ρ-strongly convex on a convex set, η ≤ 2/(β+ρ) (so that M is the Lipschitz
     constant of the gradient step); hidden intermediate iterates; fixed order.
 
     Args:
       orders: α > 1, shape ``(k,)``.
-      position: i in 1..n.
-      steps: n ≥ 1.
+      positions: i in 1..n.
+      num_records: n ≥ 1.
       lipschitz: L ≥ 0.
       noise_std: σ > 0 (gradient noise).
       contraction: M in [0, 1] from :func:`step_contraction`.
@@ -412,10 +416,11 @@ def strongly_convex_iteration_rdp(
     """
     _validate.check_static_choice("form", form, _SC_FORMS)
     _check_orders(orders)
-    _check_common(position, steps, lipschitz, noise_std)
+    _check_common(positions, num_records, lipschitz, noise_std)
     _validate.check_in_range("contraction", contraction, 0.0, 1.0)
-    _check_integer("batch_size", batch_size)
-    pos, n, lip, sig, m_c, b = (f64(x) for x in (position, steps, lipschitz, noise_std, contraction, batch_size))
+    check_integer("batch_size", batch_size)
+    _validate.check_not_above("batch_size", batch_size, "num_records", num_records)
+    pos, n, lip, sig, m_c, b = (f64(x) for x in (positions, num_records, lipschitz, noise_std, contraction, batch_size))
     valid, c = _sc_coefficient(pos, n, lip, sig, m_c, b, form)
     return _with_orders(valid, c, orders)
 
@@ -497,7 +502,7 @@ def linear_rdp_epsilon(coefficient, delta, *, method: str = "improved") -> jax.A
     c = f64(coefficient)
     dlt = f64(delta)
     valid = (c >= 0) & (dlt > 0) & (dlt < 1)
-    return _nan_unless(valid, _linear_eps_jit(c, dlt, valid, method=method))
+    return nan_unless(valid, _linear_eps_jit(c, dlt, valid, method=method))
 
 
 def _linear_eps_masked(c, dlt, valid, method):
@@ -553,4 +558,4 @@ def linear_rdp_delta(epsilon, coefficient) -> jax.Array:
     c_s = jnp.where(above & (c > 0), c, 1.0)
     val = jnp.exp(-((eps - c_s) ** 2) / (4.0 * c_s))
     val = jnp.where(c > 0, val, 0.0)
-    return _nan_unless(valid, jnp.where(above, val, 1.0))
+    return nan_unless(valid, jnp.where(above, val, 1.0))

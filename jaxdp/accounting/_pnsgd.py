@@ -19,23 +19,18 @@ import numpy as np
 
 from .. import _validate
 from .._numerics import f64, float64
+from .._validate import check_integer, check_learning_rate, check_positions, is_int, learning_rate_valid, nan_unless
 from ._contraction import (
     _SAFETY_REL,
     _batch_geometry,
-    _check_integer,
-    _check_position,
-    _check_step,
     _eps_bracket,
-    _is_int,
     _log_delta_from,
     _log_delta_slope,
     _log_theta_and_complement,
     _log_theta_slope,
-    _nan_unless,
     _pnsgd_setup,
     _safe_target,
     _solve_eps,
-    _step_valid,
 )
 from ._iteration import _linear_eps_masked, _pabi_coefficient, _sc_coefficient
 
@@ -79,18 +74,18 @@ class PNSGDPrivacy(NamedTuple):
     best: jax.Array
 
 
-def _validate_run(lipschitz, smoothness, lr, noise_std, diameter, strong_convexity, batch_size, passes) -> None:
+def _validate_run(lipschitz, smoothness, learning_rate, noise_std, diameter, strong_convexity, batch_size, passes) -> None:
     _validate.check_in_range("lipschitz", lipschitz, 0.0, math.inf)
     _validate.check_in_range("noise_std", noise_std, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("diameter", diameter, 0.0, math.inf, lo_open=True)
-    _check_step(lr, smoothness, strong_convexity)
-    _check_integer("batch_size", batch_size)
-    _check_integer("passes", passes)
+    check_learning_rate(learning_rate, smoothness, strong_convexity)
+    check_integer("batch_size", batch_size)
+    check_integer("passes", passes)
 
 
-def _contraction_factor(lr, smoothness, strong_convexity):
-    eta, beta, rho = f64(lr), f64(smoothness), f64(strong_convexity)
-    valid = _step_valid(eta, beta, rho)
+def _contraction_factor(learning_rate, smoothness, strong_convexity):
+    eta, beta, rho = f64(learning_rate), f64(smoothness), f64(strong_convexity)
+    valid = learning_rate_valid(eta, beta, rho)
     denom = jnp.where(valid, beta + rho, 1.0)
     m2 = jnp.maximum(1.0 - 2.0 * eta * beta * rho / denom, 0.0)
     m = jnp.where(m2 > 0, jnp.sqrt(jnp.where(m2 > 0, m2, 1.0)), 0.0)
@@ -191,19 +186,19 @@ def _privacy_core(pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt, sc_form):
     step_ok, m_c = _contraction_factor(eta, beta, rho)
     scal_ok = (
         step_ok
-        & _is_int(n)
+        & is_int(n)
         & (lip >= 0)
         & jnp.isfinite(lip)
         & (sig > 0)
         & jnp.isfinite(sig)
         & (dia > 0)
         & jnp.isfinite(dia)
-        & _is_int(b)
-        & _is_int(k)
+        & is_int(b)
+        & is_int(k)
         & (dlt > 0)
         & (dlt < 1)
     )
-    valid = scal_ok & _is_int(pos) & (pos <= n)
+    valid = scal_ok & is_int(pos) & (pos <= n)
     sig_s = jnp.where(scal_ok, sig, 1.0)
     eta_s = jnp.where(scal_ok, eta, 1.0)
     dia_s = jnp.where(scal_ok, dia, 1.0)
@@ -224,7 +219,7 @@ def _privacy_core(pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt, sc_form):
     sel = (j >= m).astype(jnp.int32)
     later = m - j
     eps_c = _contraction_eps_grid(r_first2, rc, later, sel, log_t)
-    # Iteration (Feldman): valid for ρ ≥ 0 because η < 2/(β+ρ) ≤ 2/β.
+    # Iteration (Feldman): valid for ρ ≥ 0 because η ≤ 2/(β+ρ) ≤ 2/β.
     v_i, c_i = _pabi_coefficient(pos_s, n_s, lip_s, sig_s, b_s, k_s)
     eps_i = _linear_eps_masked(c_i, dlt, v_i & scal_ok, "improved")
     v_s, c_s = _sc_coefficient(pos_s, n_s, lip_s, sig_s, m_c, b_s, sc_form)
@@ -242,7 +237,7 @@ def _privacy_core(pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt, sc_form):
     )
     eps_g = jnp.where(sel == 1, eps_g2[1], eps_g2[0])
     best = jnp.minimum(jnp.minimum(eps_c, eps_i), jnp.minimum(eps_s, eps_g))
-    nan = lambda x: _nan_unless(valid, x)  # noqa: E731
+    nan = lambda x: nan_unless(valid, x)  # noqa: E731
     return nan(eps_c), nan(eps_i), nan(eps_s), nan(eps_g), nan(best)
 
 
@@ -251,10 +246,10 @@ def pnsgd_privacy(
     *,
     lipschitz,
     smoothness,
-    lr,
+    learning_rate,
     noise_std,
     diameter,
-    steps,
+    num_records,
     delta,
     strong_convexity=0.0,
     batch_size=1,
@@ -297,10 +292,10 @@ def pnsgd_privacy(
     Args:
       lipschitz: L ≥ 0.
       smoothness: β > 0.
-      lr: η with 0 < η < 2/(β + ρ).
+      learning_rate: η with 0 < η ≤ 2/(β + ρ) (see :func:`step_contraction`).
       noise_std: σ > 0, noise standard deviation on the averaged gradient.
       diameter: D > 0.
-      steps: n ≥ 1, number of records (a Python int when ``positions`` is None: it fixes
+      num_records: n ≥ 1, number of records (a Python int when ``positions`` is None: it fixes
         the output shape).
       delta: target δ in (0, 1).
       strong_convexity: ρ in [0, β].
@@ -321,37 +316,38 @@ def pnsgd_privacy(
 
     Examples:
       >>> import jaxdp
-      >>> out = jaxdp.accounting.pnsgd_privacy(lipschitz=1.0, smoothness=0.5, lr=0.5, noise_std=2.0,
-      ...                                      diameter=1.0, steps=40, delta=1e-5)
+      >>> out = jaxdp.accounting.pnsgd_privacy(lipschitz=1.0, smoothness=0.5, learning_rate=0.5, noise_std=2.0,
+      ...                                      diameter=1.0, num_records=40, delta=1e-5)
       >>> [round(float(out.best[i]), 6) for i in (0, 38, 39)]
       [0.0, 2.754009, 4.377178]
       >>> bool(out.composition[0] == out.composition[39])
       True
     """
     _validate.check_static_choice("strongly_convex_form", strongly_convex_form, _SC_FORMS)
-    _validate_run(lipschitz, smoothness, lr, noise_std, diameter, strong_convexity, batch_size, passes)
+    _validate_run(lipschitz, smoothness, learning_rate, noise_std, diameter, strong_convexity, batch_size, passes)
     _validate.check_in_range("delta", delta, 0.0, 1.0, lo_open=True, hi_open=True)
     if positions is None:
-        if not isinstance(steps, (int, np.integer)) or isinstance(steps, bool):
-            if _validate.is_concrete(steps) and np.ndim(steps) == 0 and float(steps) == int(float(steps)):
-                steps = int(float(steps))
+        if not isinstance(num_records, (int, np.integer)) or isinstance(num_records, bool):
+            if _validate.is_concrete(num_records) and np.ndim(num_records) == 0 and float(num_records) == int(float(num_records)):
+                num_records = int(float(num_records))
             else:
                 raise ValueError(
-                    "steps must be a Python int when positions is None (it fixes the output shape); "
-                    f"got {steps!r}. Pass positions explicitly to trace steps."
+                    "num_records must be a Python int when positions is None (it fixes the output shape); "
+                    f"got {num_records!r}. Pass positions explicitly to trace num_records."
                 )
-        _check_integer("steps", steps)
-        pos = jnp.arange(1, steps + 1, dtype=jnp.float64)
+        check_integer("num_records", num_records)
+        pos = jnp.arange(1, num_records + 1, dtype=jnp.float64)
     else:
-        _check_position(positions, steps)
+        check_positions(positions, num_records)
         pos = f64(positions)
+    _validate.check_not_above("batch_size", batch_size, "num_records", num_records)
     scalars = {}
     for name, value in (
-        ("steps", steps),
+        ("num_records", num_records),
         ("lipschitz", lipschitz),
         ("smoothness", smoothness),
         ("strong_convexity", strong_convexity),
-        ("lr", lr),
+        ("learning_rate", learning_rate),
         ("noise_std", noise_std),
         ("diameter", diameter),
         ("batch_size", batch_size),
@@ -370,11 +366,11 @@ def pnsgd_privacy(
     s = scalars
     outs = _privacy_core(
         flat,
-        s["steps"],
+        s["num_records"],
         s["lipschitz"],
         s["smoothness"],
         s["strong_convexity"],
-        s["lr"],
+        s["learning_rate"],
         s["noise_std"],
         s["diameter"],
         s["batch_size"],
@@ -439,13 +435,13 @@ def calibrate_pnsgd_noise_std(
     *,
     lipschitz,
     smoothness,
-    lr,
+    learning_rate,
     diameter,
-    steps,
+    num_records,
     strong_convexity=0.0,
     batch_size=1,
     passes=1,
-    position=None,
+    positions=None,
     analysis: str = "best",
     strongly_convex_form: str = "proposition1",
 ) -> jax.Array:
@@ -458,7 +454,7 @@ def calibrate_pnsgd_noise_std(
     end is :math:`2^{20}` times the σ at which the composition baseline is certified), and
     the upper (certified) end is returned. +inf when no σ in the bracket works.
 
-    ``position=None`` calibrates the worst record, which is the last one: every
+    ``positions=None`` calibrates the worst record, which is the last one: every
     analysis's ε is non-decreasing in the position (fewer later steps), so meeting the
     target at i = n meets it for all records. With one pass, the best bound at i = n is
     the exact one-step Gaussian mechanism, so σ* is then the analytic Gaussian calibration
@@ -470,20 +466,20 @@ def calibrate_pnsgd_noise_std(
     ε(σ) − ε).
 
     Assumptions: as :func:`pnsgd_privacy` (convex, L-Lipschitz, β-smooth, ρ-strongly
-    convex loss; η < 2/(β+ρ); hidden intermediate iterates; fixed order).
+    convex loss; η ≤ 2/(β+ρ); hidden intermediate iterates; fixed order).
 
     Args:
       epsilon: target ε > 0.
       delta: target δ in (0, 1).
       lipschitz: L > 0.
       smoothness: β > 0.
-      lr: η in (0, 2/(β+ρ)).
+      learning_rate: η in (0, 2/(β+ρ)].
       diameter: D > 0.
-      steps: n ≥ 1.
+      num_records: n ≥ 1.
       strong_convexity: ρ in [0, β].
       batch_size: b ≥ 1.
       passes: k ≥ 1.
-      position: ``None`` (all records: the worst, i = n) or positions in 1..n (any shape;
+      positions: ``None`` (all records: the worst, i = n) or positions in 1..n (any shape;
         σ per position).
       analysis: ``"best"`` (default), ``"contraction"``, ``"iteration"``,
         ``"strongly_convex"`` or ``"composition"`` (static).
@@ -497,8 +493,8 @@ def calibrate_pnsgd_noise_std(
 
     Examples:
       >>> import jaxdp
-      >>> s = jaxdp.accounting.calibrate_pnsgd_noise_std(1.0, 1e-5, lipschitz=1.0, smoothness=1.0, lr=0.5,
-      ...                                            diameter=1.0, steps=1000)
+      >>> s = jaxdp.accounting.calibrate_pnsgd_noise_std(1.0, 1e-5, lipschitz=1.0, smoothness=1.0, learning_rate=0.5,
+      ...                                            diameter=1.0, num_records=1000)
       >>> round(float(s), 4)
       7.4613
     """
@@ -508,17 +504,18 @@ def calibrate_pnsgd_noise_std(
     _validate.check_in_range("delta", delta, 0.0, 1.0, lo_open=True, hi_open=True)
     _validate.check_in_range("lipschitz", lipschitz, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("diameter", diameter, 0.0, math.inf, lo_open=True)
-    _check_step(lr, smoothness, strong_convexity)
-    _check_integer("batch_size", batch_size)
-    _check_integer("passes", passes)
-    if position is None:
-        _check_integer("steps", steps)
-        position = steps
+    check_learning_rate(learning_rate, smoothness, strong_convexity)
+    check_integer("batch_size", batch_size)
+    check_integer("passes", passes)
+    if positions is None:
+        check_integer("num_records", num_records)
+        positions = num_records
     else:
-        _check_position(position, steps)
+        check_positions(positions, num_records)
+    _validate.check_not_above("batch_size", batch_size, "num_records", num_records)
     args = [
         f64(x)
-        for x in (epsilon, delta, position, steps, lipschitz, smoothness, strong_convexity, lr, diameter, batch_size, passes)
+        for x in (epsilon, delta, positions, num_records, lipschitz, smoothness, strong_convexity, learning_rate, diameter, batch_size, passes)
     ]
     return _calibrate_core(*args, analysis=analysis, sc_form=strongly_convex_form)
 
@@ -532,15 +529,15 @@ def _calibrate_core(eps_t, dlt, pos, n, lip, beta, rho, eta, dia, b, k, analysis
         & jnp.isfinite(eps_t)
         & (dlt > 0)
         & (dlt < 1)
-        & _is_int(pos)
-        & _is_int(n)
+        & is_int(pos)
+        & is_int(n)
         & (pos <= n)
         & (lip > 0)
         & jnp.isfinite(lip)
         & (dia > 0)
         & jnp.isfinite(dia)
-        & _is_int(b)
-        & _is_int(k)
+        & is_int(b)
+        & is_int(k)
     )
     shape = jnp.broadcast_shapes(*(jnp.shape(x) for x in (eps_t, dlt, pos, n, lip, beta, rho, eta, dia, b, k)))
     eps_t, dlt, pos, n, lip, beta, rho, eta, dia, b, k, valid = (
@@ -559,7 +556,7 @@ def _calibrate_core(eps_t, dlt, pos, n, lip, beta, rho, eta, dia, b, k, analysis
     b_min = jnp.where(valid & (b_min >= 1), b_min, 1.0)
     centre = jax.lax.stop_gradient(jnp.log(2.0 * jnp.where(valid, lip, 1.0) * jnp.sqrt(k) / (b_min * r_star)))
     sig = _pnsgd_solve(eps_t, log_dt, pos, n, lip, beta, rho, eta, dia, b, k, centre, analysis, sc_form)
-    return _nan_unless(valid, sig)
+    return nan_unless(valid, sig)
 
 
 def _pnsgd_bisect(eps_t, log_dt, pos, n, lip, beta, rho, eta, dia, b, k, centre, analysis, sc_form):

@@ -1,7 +1,7 @@
 r"""Rényi DP of the Gaussian and the Poisson-subsampled Gaussian mechanisms.
 
 All functions compute in float64 whatever the global ``jax_enable_x64`` flag, broadcast
-over leading batch axes of ``q`` and ``sigma``, and put the orders on the last axis.
+over leading batch axes of ``q`` and ``noise_multiplier``, and put the orders on the last axis.
 """
 
 from __future__ import annotations
@@ -40,13 +40,13 @@ _NEG = -1e300  # stands for log 0 in masked entries (finite, so gradients stay f
 
 
 @float64
-def gaussian_rdp(orders, sigma) -> jax.Array:
+def gaussian_rdp(orders, noise_multiplier) -> jax.Array:
     r"""Rényi DP of the Gaussian mechanism with sensitivity 1: :math:`ε(α) = α / (2σ^2)`.
 
     Args:
       orders: Rényi orders α > 1, shape ``(k,)`` (may be traced here).
-      sigma: noise multiplier σ > 0 (noise standard deviation over L2 sensitivity),
-        any shape ``B``.
+      noise_multiplier: σ > 0, the noise standard deviation divided by the L2 sensitivity
+        of the released quantity (dimensionless), any shape ``B``.
 
     Returns:
       float64 array of shape ``B + (k,)``. Invalid inputs under ``jit`` give NaN.
@@ -60,9 +60,9 @@ def gaussian_rdp(orders, sigma) -> jax.Array:
       [0.25, 1.0]
     """
     _validate.check_orders("orders", orders)
-    _validate.check_in_range("sigma", sigma, 0.0, math.inf, lo_open=True)
+    _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True)
     orders = f64(orders)
-    sigma = f64(sigma)[..., None]
+    sigma = f64(noise_multiplier)[..., None]
     valid = (sigma > 0) & jnp.isfinite(sigma) & jnp.all(orders > 1)
     return jnp.where(valid, orders / (2.0 * sigma**2), jnp.nan)
 
@@ -305,7 +305,7 @@ def _log_am1_fractional(p: _FracPlan, q, log_q, log_1mq, sigma, z0):
 
 
 @float64
-def sampled_gaussian_rdp(orders, q, sigma) -> jax.Array:
+def sampled_gaussian_rdp(orders, q, noise_multiplier) -> jax.Array:
     r"""Rényi DP of the Poisson-subsampled Gaussian mechanism, exact at every real order.
 
     With sampling rate q, noise multiplier σ and add-or-remove-one neighbours,
@@ -335,11 +335,13 @@ def sampled_gaussian_rdp(orders, q, sigma) -> jax.Array:
     Args:
       orders: Rényi orders α > 1, a concrete 1-D sequence of length k (static: close over
         it inside ``jit``). ``DEFAULT_ORDERS`` matches dp_accounting.
-      q: sampling rate in [0, 1], shape broadcastable with ``sigma``.
-      sigma: noise multiplier σ > 0.
+      q: Poisson sampling rate in [0, 1], shape broadcastable with ``noise_multiplier``.
+      noise_multiplier: σ > 0, the noise standard deviation divided by the L2 sensitivity C
+        of the clipped sum (each example's gradient clipped to norm C, noise N(0, σ²C²)
+        added to the sum; add/remove-one neighbours, as dp_accounting and Opacus).
 
     Returns:
-      float64 array of shape ``broadcast(q, sigma).shape + (k,)``: the RDP of one step.
+      float64 array of shape ``broadcast(q, noise_multiplier).shape + (k,)``: the RDP of one step.
       Under ``jit``, invalid q or σ give NaN.
 
     References:
@@ -354,8 +356,8 @@ def sampled_gaussian_rdp(orders, q, sigma) -> jax.Array:
     """
     orders_np = _validate.concrete_orders(orders)
     _validate.check_in_range("q", q, 0.0, 1.0)
-    _validate.check_in_range("sigma", sigma, 0.0, math.inf, lo_open=True)
-    return _sgm_rdp_jit(tuple(orders_np.tolist()), f64(q), f64(sigma))
+    _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True)
+    return _sgm_rdp_jit(tuple(orders_np.tolist()), f64(q), f64(noise_multiplier))
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -413,13 +415,14 @@ def _sgm_rdp(plan: _Plan, orders_np: np.ndarray, q: jax.Array, sigma: jax.Array)
 
 
 @float64
-def heterogeneous_rdp(orders, q, sigma, steps) -> jax.Array:
+def heterogeneous_rdp(orders, q, noise_multiplier, num_steps) -> jax.Array:
     r"""RDP of a schedule of segments, composed by summing RDP curves.
 
-    Segment s runs ``steps[s]`` steps of the sampled Gaussian with rate ``q[s]`` and noise
-    multiplier ``sigma[s]``; RDP composes additively (Mironov 2017, Proposition 1):
+    Segment s runs ``num_steps[s]`` steps of the sampled Gaussian with rate ``q[s]`` and
+    noise multiplier ``noise_multiplier[s]`` (relative to the L2 sensitivity of the clipped
+    sum, add/remove-one neighbours, as :func:`sampled_gaussian_rdp`); RDP composes additively (Mironov 2017, Proposition 1):
     :math:`ε(α) = \sum_s T_s\,ε_{q_s,σ_s}(α)`. The segment axis is the *last* axis of
-    ``q``, ``sigma`` and ``steps`` (after broadcasting); leading axes are batch axes.
+    ``q``, ``noise_multiplier`` and ``num_steps`` (after broadcasting); leading axes are batch axes.
     Step counts are rounded up (a fractional count is charged as the next integer).
 
     Returns:
@@ -431,9 +434,9 @@ def heterogeneous_rdp(orders, q, sigma, steps) -> jax.Array:
       >>> [round(float(v), 6) for v in r]
       [2.0, 4.0]
     """
-    _validate.check_in_range("steps", steps, 0.0, math.inf)
-    steps_arr = jnp.ceil(f64(steps))
-    per_step = sampled_gaussian_rdp(orders, q, sigma)  # (..., S, k)
+    _validate.check_in_range("num_steps", num_steps, 0.0, math.inf)
+    steps_arr = jnp.ceil(f64(num_steps))
+    per_step = sampled_gaussian_rdp(orders, q, noise_multiplier)  # (..., S, k)
     steps_b = jnp.broadcast_to(steps_arr, per_step.shape[:-1])
     total = jnp.sum(jnp.where(steps_b[..., None] > 0, steps_b[..., None] * per_step, 0.0), axis=-2)
     return jnp.where(jnp.all(steps_b >= 0, axis=-1)[..., None], total, jnp.nan)

@@ -241,8 +241,8 @@ def _pnsgd_epsilons(*, lipschitz, smoothness, strong_convexity, lr, noise_std, d
     if not amplified or smoothness is None:
         smoothness, strong_convexity = 1.0 / float(lr), 0.0
     out = pnsgd_privacy(
-        lipschitz=float(lipschitz), smoothness=float(smoothness), lr=float(lr), noise_std=float(noise_std),
-        diameter=float(diameter), steps=int(records), delta=float(delta),
+        lipschitz=float(lipschitz), smoothness=float(smoothness), learning_rate=float(lr), noise_std=float(noise_std),
+        diameter=float(diameter), num_records=int(records), delta=float(delta),
         strong_convexity=float(strong_convexity), batch_size=int(batch_size), passes=int(passes),
         positions=positions,
     )
@@ -279,9 +279,9 @@ def _stop_epsilons(ledger: PrivacyLedger) -> dict[str, np.ndarray]:
     contraction = float(step_contraction(ledger.learning_rate, ledger.smoothness, ledger.strong_convexity))
     thm5 = np.asarray(stop_pnsgd_contraction_epsilon(
         ledger.delta, m, ledger.lipschitz / b_min, ledger.noise_std, ledger.learning_rate,
-        ledger.diameter, contraction, position=batches), np.float64)
+        ledger.diameter, contraction, positions=batches), np.float64)
     rdp = stop_pnsgd_iteration_rdp(DEFAULT_ORDERS, m, ledger.lipschitz / b_min, ledger.noise_std,
-                                   position=batches, form="logmeanexp")
+                                   positions=batches, form="logmeanexp")
     thm26 = np.asarray(rdp_to_epsilon(rdp, DEFAULT_ORDERS, ledger.delta).epsilon, np.float64)
     record_batch = np.arange(n) // b
     return {"random-stop (Thm 5)": thm5[record_batch], "random-stop (Thm 26)": thm26[record_batch]}
@@ -334,7 +334,7 @@ def _report(ledger: PrivacyLedger) -> PrivacyReport:
     s = int(ledger.steps_done)
     amplified_ok = ledger.analysis != _COMPOSITION
     common = dict(lipschitz=ledger.lipschitz, smoothness=ledger.smoothness,
-                  strong_convexity=ledger.strong_convexity, lr=ledger.learning_rate,
+                  strong_convexity=ledger.strong_convexity, learning_rate=ledger.learning_rate,
                   noise_std=ledger.noise_std, diameter=ledger.diameter, batch_size=b, delta=ledger.delta)
     exact = True
     if ledger.schedule == "random_stop":

@@ -172,14 +172,20 @@ def test_step_contraction_and_errors():
     assert float(C.step_contraction(0.5, 1.0, 0.5)) == pytest.approx(0.816496580928, rel=RTOL_12)
     assert float(C.step_contraction(0.5, 1.0, 0.0)) == 1.0
     assert float(C.step_contraction(1.0, 1.0, 0.5)) == pytest.approx(math.sqrt(1 - 2 * 0.5 / 1.5), rel=1e-15)
-    with pytest.raises(ValueError, match="lr"):
-        C.step_contraction(2.0, 0.5, 0.5)  # η = 2/(β+ρ) exactly is rejected
+    # The one step-size rule is 0 < η ≤ 2/(β+ρ): the boundary is accepted (the proof holds
+    # with equality), anything above it is rejected eagerly and gives NaN under jit.
+    assert float(C.step_contraction(2.0, 0.5, 0.5)) == 0.0
+    assert float(C.step_contraction(2.0 / 1.3, 1.0, 0.3)) == pytest.approx(0.7 / 1.3, rel=1e-15)
+    with pytest.raises(ValueError, match="learning_rate"):
+        C.step_contraction(2.0 * (1 + 1e-12), 0.5, 0.5)
+    with pytest.raises(ValueError, match="learning_rate"):
+        C.step_contraction(2.1, 1.0, 0.0)  # ρ = 0: η ≤ 2/β
     with pytest.raises(ValueError, match="strong_convexity"):
         C.step_contraction(0.1, 0.3, 0.4)
     with pytest.raises(ValueError, match="smoothness"):
         C.step_contraction(0.1, 0.0)
     f = jax.jit(C.step_contraction)
-    assert np.isnan(float(f(2.0, 0.5, 0.5)))
+    assert np.isnan(float(f(2.0 * (1 + 1e-12), 0.5, 0.5)))
     assert np.isnan(float(f(0.1, 0.3, 0.4)))
 
 
@@ -239,8 +245,8 @@ def test_theorem3_strongly_convex_and_last_record_caveat():
     assert float(C.pnsgd_laplace_delta(0.5, 9, 10, 1.0, 2.0, 0.25, 0.25)) == 0.0
 
 
-FIG2 = dict(lipschitz=1.0, noise_std=2.0, lr=0.5, diameter=1.0, contraction=1.0)
-FIG3 = dict(lipschitz=1.0, noise_std=1.0, lr=0.7, diameter=1.0, contraction=math.sqrt(0.76))
+FIG2 = dict(lipschitz=1.0, noise_std=2.0, learning_rate=0.5, diameter=1.0, contraction=1.0)
+FIG3 = dict(lipschitz=1.0, noise_std=1.0, learning_rate=0.7, diameter=1.0, contraction=math.sqrt(0.76))
 
 
 @pytest.mark.parametrize(
@@ -251,8 +257,8 @@ def test_theorem5_fig2(eps, want_uniform, want_i1, want_in):
     args = (40, 1.0, 2.0, 0.5, 1.0, 1.0)
     assert float(C.stop_pnsgd_contraction_delta(eps, *args)) == pytest.approx(want_uniform, rel=RTOL_12)
     if want_i1 is not None:
-        assert float(C.stop_pnsgd_contraction_delta(eps, *args, position=1)) == pytest.approx(want_i1, rel=RTOL_12)
-        assert float(C.stop_pnsgd_contraction_delta(eps, *args, position=40)) == pytest.approx(want_in, rel=RTOL_12)
+        assert float(C.stop_pnsgd_contraction_delta(eps, *args, positions=1)) == pytest.approx(want_i1, rel=RTOL_12)
+        assert float(C.stop_pnsgd_contraction_delta(eps, *args, positions=40)) == pytest.approx(want_in, rel=RTOL_12)
 
 
 def test_theorem5_other_vectors_and_vacuous_case():
@@ -265,7 +271,7 @@ def test_theorem5_other_vectors_and_vacuous_case():
         assert got == pytest.approx(want, rel=5e-10)  # notes print M = .8718 in the header only
     for eps, want in [(0.0, 0.0093427862888), (0.5, 0.00195608391683), (1.0, 2.05624023158e-4), (2.0, 1.98517586418e-7)]:
         assert float(C.stop_pnsgd_contraction_delta(eps, 100, 1.0, 4.0, 0.1, 1.0)) == pytest.approx(want, rel=RTOL_12)
-    assert float(C.stop_pnsgd_contraction_delta(0.0, 100, 1.0, 4.0, 0.1, 1.0, position=1)) == pytest.approx(0.00934278628834, rel=RTOL_12)
+    assert float(C.stop_pnsgd_contraction_delta(0.0, 100, 1.0, 4.0, 0.1, 1.0, positions=1)) == pytest.approx(0.00934278628834, rel=RTOL_12)
     # Vacuous (> 1) bound is clipped at 1; E_γ ≤ 1.
     assert float(C.stop_pnsgd_contraction_delta(0.0, 10, 1.0, 0.5, 0.1, 1.0)) == 1.0
 
@@ -333,7 +339,7 @@ def test_jit_vmap_agree():
 
 
 def test_eager_errors_name_the_parameter():
-    args = dict(lipschitz=1.0, noise_std=1.0, lr=0.5, diameter=1.0)
+    args = dict(lipschitz=1.0, noise_std=1.0, learning_rate=0.5, diameter=1.0)
     with pytest.raises(ValueError, match="position"):
         C.pnsgd_contraction_delta(1.0, 41, 40, **args)
     with pytest.raises(ValueError, match="position"):
@@ -348,7 +354,7 @@ def test_eager_errors_name_the_parameter():
         C.gaussian_hockey_stick(-1.0, 1.0)
     with pytest.raises(ValueError, match="delta"):
         C.pnsgd_contraction_epsilon(1.0, 1, 40, **args)
-    with pytest.raises(ValueError, match="steps"):
+    with pytest.raises(ValueError, match="num_records"):
         C.stop_pnsgd_contraction_delta(0.0, 2.5, 1.0, 1.0, 0.5, 1.0)
     with pytest.raises(ValueError, match="scale"):
         C.laplace_hockey_stick(1.0, 1.0, 0.0)
@@ -450,3 +456,19 @@ def test_fig3_no_crossing_for_late_record_and_fig2_everywhere():
     assert all(_log_gap(e, 39, FIG3) < 0 for e in grid)
     for i in (1, 20, 39):
         assert all(_log_gap(e, i, FIG2) < 0 for e in grid)
+
+
+def test_step_contraction_bounds_gradient_step_of_quadratics():
+    """Independent check of the step-size rule: for ℓ(y) = yᵀHy/2 with spec(H) ⊂ [ρ, β] the
+    gradient step's exact Lipschitz constant is max|1 − ηλ| (closed form); M must bound it
+    for every η ≤ 2/(β+ρ), boundary included."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        beta = float(rng.uniform(0.1, 10.0))
+        rho = float(rng.uniform(0.0, beta))
+        eta = float(rng.uniform(0.0, 1.0)) * 2.0 / (beta + rho) if rng.uniform() < 0.8 else 2.0 / (beta + rho)
+        if eta <= 0:
+            continue
+        lam = np.concatenate([[rho, beta], rng.uniform(rho, beta, 8)])
+        exact = float(np.max(np.abs(1.0 - eta * lam)))
+        assert exact <= float(C.step_contraction(eta, beta, rho)) * (1 + 1e-12) + 1e-15

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from jaxdp.accounting import (
     DEFAULT_ORDERS,
-    calibrate_sigma,
+    calibrate_noise_multiplier,
     dpsgd_epsilon,
     gaussian_rdp,
     rdp_to_delta,
@@ -99,8 +99,8 @@ def test_schedule_equals_sum_of_segments():
 
 def test_calibrate_meets_target_and_is_smallest():
     target, q, t, d = 1.0, 256 / 60000, 14040, 1e-5
-    res = calibrate_sigma(target, q, t, d)
-    sigma = float(res.sigma)
+    res = calibrate_noise_multiplier(target, q, t, d)
+    sigma = float(res.noise_multiplier)
     assert float(dpsgd_epsilon(q, sigma, t, d)) <= target
     assert float(dpsgd_epsilon(q, sigma * (1 - 1e-9), t, d)) > target * (1 - 1e-12)
     # dp_accounting (upper-bound fractional orders) calibrates to 2.1785 (notes anchors §4.2).
@@ -108,13 +108,13 @@ def test_calibrate_meets_target_and_is_smallest():
 
 
 def test_calibrate_vectorised_and_unreachable():
-    res = calibrate_sigma(np.array([0.5, 2.0, 8.0]), np.full(3, 0.01), np.full(3, 1000.0), 1e-5)
-    eps = np.asarray(dpsgd_epsilon(0.01, np.asarray(res.sigma), 1000, 1e-5))
+    res = calibrate_noise_multiplier(np.array([0.5, 2.0, 8.0]), np.full(3, 0.01), np.full(3, 1000.0), 1e-5)
+    eps = np.asarray(dpsgd_epsilon(0.01, np.asarray(res.noise_multiplier), 1000, 1e-5))
     assert np.all(eps <= np.array([0.5, 2.0, 8.0]))
-    assert np.all(np.diff(np.asarray(res.sigma)) < 0)
+    assert np.all(np.diff(np.asarray(res.noise_multiplier)) < 0)
     # ε = 1e-6 after 10^6 full-batch steps would need σ far above the bracket: +inf, not a guess.
-    res = calibrate_sigma(np.array([1e-6, 1.0, 1.0]), np.array([1.0, 0.01, 0.01]), np.array([1e6, 1000.0, 1000.0]), 1e-5)
-    assert math.isinf(float(res.sigma[0])) and math.isinf(float(res.epsilon[0]))
+    res = calibrate_noise_multiplier(np.array([1e-6, 1.0, 1.0]), np.array([1.0, 0.01, 0.01]), np.array([1e6, 1000.0, 1000.0]), 1e-5)
+    assert math.isinf(float(res.noise_multiplier[0])) and math.isinf(float(res.epsilon[0]))
 
 
 def test_gradients_match_finite_differences():
@@ -172,11 +172,11 @@ def test_monotonicity(q, s, t, d, f):
 
 def test_invalid_eager_raise_naming_parameter():
     for kwargs, name in [
-        (dict(q=0.1, sigma=0.0, steps=10, delta=1e-5), "sigma"),
-        (dict(q=-0.1, sigma=1.0, steps=10, delta=1e-5), "q"),
-        (dict(q=0.1, sigma=1.0, steps=-1, delta=1e-5), "steps"),
-        (dict(q=0.1, sigma=1.0, steps=10, delta=1.0), "delta"),
-        (dict(q=0.1, sigma=1.0, steps=10, delta=0.0), "delta"),
+        (dict(q=0.1, noise_multiplier=0.0, num_steps=10, delta=1e-5), "noise_multiplier"),
+        (dict(q=-0.1, noise_multiplier=1.0, num_steps=10, delta=1e-5), "q"),
+        (dict(q=0.1, noise_multiplier=1.0, num_steps=-1, delta=1e-5), "num_steps"),
+        (dict(q=0.1, noise_multiplier=1.0, num_steps=10, delta=1.0), "delta"),
+        (dict(q=0.1, noise_multiplier=1.0, num_steps=10, delta=0.0), "delta"),
     ]:
         with pytest.raises(ValueError, match=name):
             dpsgd_epsilon(**kwargs)
@@ -187,7 +187,7 @@ def test_invalid_eager_raise_naming_parameter():
     with pytest.raises(ValueError, match="method"):
         rdp_to_epsilon(np.ones(2), [1.5, 2.0], 1e-5, method="best")
     with pytest.raises(ValueError, match="target_epsilon"):
-        calibrate_sigma(0.0, 0.1, 10, 1e-5)
+        calibrate_noise_multiplier(0.0, 0.1, 10, 1e-5)
 
 
 def test_invalid_under_jit_never_finite():
@@ -196,5 +196,5 @@ def test_invalid_under_jit_never_finite():
         assert not np.isfinite(float(_eps(*args)))
     r = jax.jit(lambda x: rdp_to_epsilon(x, [2.0, 3.0], 1e-5).epsilon)(jnp.array([-1.0, 0.5]))
     assert np.isnan(float(r))
-    c = jax.jit(lambda e: calibrate_sigma(e, 0.01, 100.0, 1e-5).sigma)(-1.0)
+    c = jax.jit(lambda e: calibrate_noise_multiplier(e, 0.01, 100.0, 1e-5).noise_multiplier)(-1.0)
     assert np.isnan(float(c))

@@ -49,8 +49,8 @@ CASES = {
     "strongly_convex_iteration_rdp": lambda x: jnp.sum(A.strongly_convex_iteration_rdp(O, 1, 40, 1.0, x, 0.9)),
     "stop-PNSGD ε (some orders large)": lambda x: A.rdp_to_epsilon(
         A.stop_pnsgd_iteration_rdp(O, 40, 1.0, x, form="logmeanexp"), O, 1e-5).epsilon,
-    "pnsgd_privacy": lambda x: A.pnsgd_privacy(lipschitz=1.0, smoothness=1.0, lr=0.5, noise_std=x, diameter=1.0,
-                                               steps=40, delta=1e-5).best[-1],
+    "pnsgd_privacy": lambda x: A.pnsgd_privacy(lipschitz=1.0, smoothness=1.0, learning_rate=0.5, noise_std=x, diameter=1.0,
+                                               num_records=40, delta=1e-5).best[-1],
 }
 
 
@@ -93,11 +93,11 @@ def test_sampled_gaussian_jacobian_is_finite_where_fusion_made_nan():
 CALIBRATIONS = {
     # (function, x64 flag under which it is differentiated). σ* as a function of the target
     # ε; for PNSGD also at a record where the contraction bound binds, as a function of D.
-    "calibrate_sigma(target)": (lambda x: A.calibrate_sigma(x, 0.01, 1000, 1e-5, orders=SMALL).sigma, False),
+    "calibrate_noise_multiplier(target)": (lambda x: A.calibrate_noise_multiplier(x, 0.01, 1000, 1e-5, orders=SMALL).noise_multiplier, False),
     "calibrate_pnsgd_noise_std(target)": (lambda x: A.calibrate_pnsgd_noise_std(
-        x, 1e-5, lipschitz=1.0, smoothness=1.0, lr=0.5, diameter=1.0, steps=40), False),
+        x, 1e-5, lipschitz=1.0, smoothness=1.0, learning_rate=0.5, diameter=1.0, num_records=40), False),
     "calibrate_pnsgd_noise_std(diameter)": (lambda x: A.calibrate_pnsgd_noise_std(
-        1.3, 1e-5, lipschitz=1.0, smoothness=1.0, lr=0.5, diameter=x, steps=40, position=30,
+        1.3, 1e-5, lipschitz=1.0, smoothness=1.0, learning_rate=0.5, diameter=x, num_records=40, positions=30,
         analysis="contraction"), True),
 }
 
@@ -117,7 +117,7 @@ def test_calibration_derivatives_follow_the_implicit_function_theorem(name):
 
 def test_calibrated_epsilon_moves_with_the_target():
     with jax.enable_x64(True):
-        d = jax.grad(lambda e: A.calibrate_sigma(e, 0.01, 1000, 1e-5, orders=SMALL).epsilon)(1.3)
+        d = jax.grad(lambda e: A.calibrate_noise_multiplier(e, 0.01, 1000, 1e-5, orders=SMALL).epsilon)(1.3)
     assert float(d) == pytest.approx(1.0, rel=1e-12)
 
 

@@ -112,7 +112,7 @@ def test_stop_pnsgd_vectors(alpha, n, noise_std, harm, lme):
 
 
 def test_stop_pnsgd_profile_condition_and_pitfall():
-    prof = np.asarray(I.stop_pnsgd_iteration_rdp([2.0], 10, 1.0, 2.0, position=jnp.arange(1, 11)))[:, 0]
+    prof = np.asarray(I.stop_pnsgd_iteration_rdp([2.0], 10, 1.0, 2.0, positions=jnp.arange(1, 11)))[:, 0]
     want = [0.5857936508, 0.5657936508, 0.5435714286, 0.5185714286, 0.49, 0.4566666667, 0.4166666667, 0.3666666667, 0.3, 0.2]
     np.testing.assert_allclose(prof, want, rtol=RTOL_10)
     # σ ≥ L√(2α(α−1)): at σ = 2 the harmonic form holds up to α = 2 only.
@@ -126,7 +126,7 @@ def test_stop_pnsgd_profile_condition_and_pitfall():
     # Large n, positions near the end: the tail bound path (more than 32 terms) stays close.
     y = 1 * 2 * 2 / 1.0**2
     exact = math.log1p(sum(math.expm1(y / t) for t in range(1, 5001)) / 20000) / 1
-    got = float(I.stop_pnsgd_iteration_rdp([2.0], 20000, 1.0, 1.0, position=15000, form="logmeanexp")[0])
+    got = float(I.stop_pnsgd_iteration_rdp([2.0], 20000, 1.0, 1.0, positions=15000, form="logmeanexp")[0])
     assert exact <= got <= exact * (1 + 1e-3)
 
 

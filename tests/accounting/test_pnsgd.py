@@ -23,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxdp._cli_pnsgd import add_pnsgd_parser, run_pnsgd
+from jaxdp.accounting import _contraction as C
 from jaxdp.accounting import _pnsgd as P
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -33,7 +34,7 @@ RTOL_EPS = 1e-9
 
 mp.mp.dps = 50
 
-FIG2 = dict(lipschitz=1.0, smoothness=0.5, lr=0.5, noise_std=2.0, diameter=1.0, steps=40, delta=1e-5)
+FIG2 = dict(lipschitz=1.0, smoothness=0.5, learning_rate=0.5, noise_std=2.0, diameter=1.0, num_records=40, delta=1e-5)
 
 
 @pytest.fixture(autouse=True)
@@ -121,7 +122,7 @@ def test_best_is_min_and_at_least_one_step_gaussian(fig2_run):
 )
 def test_properties_monotone_best_and_one_step(noise_std, diameter, rho, batch, passes, delta):
     out = P.pnsgd_privacy(
-        lipschitz=1.0, smoothness=1.0, lr=0.5, noise_std=noise_std, diameter=diameter, steps=40, delta=delta,
+        lipschitz=1.0, smoothness=1.0, learning_rate=0.5, noise_std=noise_std, diameter=diameter, num_records=40, delta=delta,
         strong_convexity=rho, batch_size=batch, passes=passes,
     )
     best = np.asarray(out.best)
@@ -140,14 +141,14 @@ def test_properties_monotone_best_and_one_step(noise_std, diameter, rho, batch, 
 
 
 def test_calibration_worst_record_is_gaussian():
-    s = float(P.calibrate_pnsgd_noise_std(1.0, 1e-5, lipschitz=1.0, smoothness=1.0, lr=0.5, diameter=1.0, steps=1000))
+    s = float(P.calibrate_pnsgd_noise_std(1.0, 1e-5, lipschitz=1.0, smoothness=1.0, learning_rate=0.5, diameter=1.0, num_records=1000))
     assert theta_mp(1.0, 2.0 / s) <= 1e-5
     assert theta_mp(1.0, 2.0 / (s * (1 - 1e-9))) > 1e-5  # and it is the smallest such σ
 
 
 def test_calibration_per_position_contraction():
     pos = jnp.array([1, 30, 39, 40])
-    s = np.asarray(P.calibrate_pnsgd_noise_std(1.0, 1e-5, lipschitz=1.0, smoothness=0.5, lr=0.5, diameter=1.0, steps=40, position=pos, analysis="contraction"))
+    s = np.asarray(P.calibrate_pnsgd_noise_std(1.0, 1e-5, lipschitz=1.0, smoothness=0.5, learning_rate=0.5, diameter=1.0, num_records=40, positions=pos, analysis="contraction"))
     for i, sig in zip([1, 30, 39, 40], s):
         logd = lambda x, i=i: mp.log(theta_mp(1.0, 2 / x)) + (40 - i) * mp.log(theta_mp(1.0, 1 / (0.5 * x)))  # noqa: E731
         assert logd(sig) <= mp.log(1e-5)
@@ -160,7 +161,7 @@ def test_gradients_of_every_analysis_match_finite_differences():
     differences (h = 1e-5; the bounds are smooth there, so the O(h²) truncation and the 1e-12
     rounding of ε give agreement to well under 1e-6 relative)."""
     names = ("contraction", "iteration", "strongly_convex", "composition", "best")
-    kw = dict(lipschitz=1.0, smoothness=1.0, lr=0.5, diameter=1.0, delta=1e-5, strong_convexity=0.2, steps=40,
+    kw = dict(lipschitz=1.0, smoothness=1.0, learning_rate=0.5, diameter=1.0, delta=1e-5, strong_convexity=0.2, num_records=40,
               positions=jnp.array([1.0, 20.0, 40.0]))
 
     def f(s):
@@ -177,8 +178,8 @@ def test_gradients_of_every_analysis_match_finite_differences():
 
 
 def test_errors_name_the_parameter():
-    with pytest.raises(ValueError, match="lr"):
-        P.pnsgd_privacy(**{**FIG2, "lr": 4.0})
+    with pytest.raises(ValueError, match="learning_rate"):
+        P.pnsgd_privacy(**{**FIG2, "learning_rate": 4.5})
     with pytest.raises(ValueError, match="strong_convexity"):
         P.pnsgd_privacy(**{**FIG2, "strong_convexity": 0.6})
     with pytest.raises(ValueError, match="diameter"):
@@ -190,7 +191,7 @@ def test_errors_name_the_parameter():
     with pytest.raises(ValueError, match="delta"):
         P.pnsgd_privacy(**{**FIG2, "delta": 1.0})
     with pytest.raises(ValueError, match="analysis"):
-        P.calibrate_pnsgd_noise_std(1.0, 1e-5, lipschitz=1.0, smoothness=1.0, lr=0.5, diameter=1.0, steps=10, analysis="x")
+        P.calibrate_pnsgd_noise_std(1.0, 1e-5, lipschitz=1.0, smoothness=1.0, learning_rate=0.5, diameter=1.0, num_records=10, analysis="x")
 
 
 def test_traced_invalid_inputs_give_nan(fig2_run):
@@ -199,12 +200,12 @@ def test_traced_invalid_inputs_give_nan(fig2_run):
     f64 = lambda x: jnp.asarray(x, jnp.float64)  # noqa: E731
     pos = jnp.arange(1, 41, dtype=jnp.float64)
 
-    def run(noise_std=2.0, lr=0.5, diameter=1.0, delta=1e-5, rho=0.0):
-        args = [f64(x) for x in (40, 1.0, 0.5, rho, lr, noise_std, diameter, 1, 1, delta)]
+    def run(noise_std=2.0, learning_rate=0.5, diameter=1.0, delta=1e-5, rho=0.0):
+        args = [f64(x) for x in (40, 1.0, 0.5, rho, learning_rate, noise_std, diameter, 1, 1, delta)]
         return np.asarray(P._privacy_core(pos, *args, sc_form="proposition1")[-1])
 
     np.testing.assert_array_equal(run(), np.asarray(fig2_run.best))
-    for bad in (dict(noise_std=-1.0), dict(lr=4.0), dict(diameter=0.0), dict(delta=1.0), dict(rho=0.6)):
+    for bad in (dict(noise_std=-1.0), dict(learning_rate=4.5), dict(diameter=0.0), dict(delta=1.0), dict(rho=0.6)):
         assert np.all(np.isnan(run(**bad))), bad
 
 
@@ -260,7 +261,19 @@ def test_cli_invalid_arguments(capsys, flag, value, name):
 def test_nearly_zero_strong_convexity_stays_monotone():
     # Regression: with ρ = 2.2e-16 the order search for the last two positions stopped
     # early (16 iterations) and left position n-1 3e-8 above position n.
-    out = P.pnsgd_privacy(lipschitz=1.0, smoothness=1.0, lr=0.5, noise_std=1.5, diameter=1.0, steps=40, delta=1e-3,
+    out = P.pnsgd_privacy(lipschitz=1.0, smoothness=1.0, learning_rate=0.5, noise_std=1.5, diameter=1.0, num_records=40, delta=1e-3,
                           strong_convexity=2.220446049250313e-16)
     v = np.asarray(out.strongly_convex)
     assert np.all(np.diff(v) >= -1e-12 * v[1:])
+
+
+def test_inconsistent_arguments_rejected_eagerly():
+    with pytest.raises(ValueError, match="batch_size must be ≤ num_records"):
+        P.pnsgd_privacy(**{**FIG2, "batch_size": 41})
+    with pytest.raises(ValueError, match="positions must be ≤ num_records"):
+        P.pnsgd_privacy(**FIG2, positions=[1, 41])
+    with pytest.raises(ValueError, match="batch_size must be ≤ num_records"):
+        P.calibrate_pnsgd_noise_std(1.0, 1e-5, lipschitz=1.0, smoothness=1.0, learning_rate=0.5, diameter=1.0,
+                                    num_records=10, batch_size=11)
+    with pytest.raises(ValueError, match="positions must be ≤ num_records"):
+        C.stop_pnsgd_contraction_delta(1.0, 10, 1.0, 1.0, 0.5, 1.0, positions=11)

@@ -180,7 +180,7 @@ def test_jit_vmap_agree():
 
 
 def test_invalid_inputs_eager_errors():
-    with pytest.raises(ValueError, match="sigma"):
+    with pytest.raises(ValueError, match="noise_multiplier"):
         sampled_gaussian_rdp([2.0], 0.1, 0.0)
     with pytest.raises(ValueError, match="q"):
         sampled_gaussian_rdp([2.0], 1.5, 1.0)

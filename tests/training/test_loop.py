@@ -105,8 +105,8 @@ def test_digits_softmax_reaches_stated_accuracy_at_stated_epsilon(digits):
     assert s["worst"] <= 6.0 and s["median"] <= 3.5
     assert np.all(rep.epsilon <= rep.composition) and np.median(rep.composition) >= 5 * s["median"]
     # The report is the accountant's, called directly with the ledger's numbers.
-    direct = pnsgd_privacy(lipschitz=2.0, smoothness=1.0, lr=1.0, noise_std=1.0 * 2 * 2.0 / 64, diameter=60.0,
-                           steps=1408, delta=1e-5, batch_size=64, passes=10)
+    direct = pnsgd_privacy(lipschitz=2.0, smoothness=1.0, learning_rate=1.0, noise_std=1.0 * 2 * 2.0 / 64, diameter=60.0,
+                           num_records=1408, delta=1e-5, batch_size=64, passes=10)
     np.testing.assert_allclose(rep.epsilon, np.asarray(direct.best), rtol=EPS_RTOL)
     assert rep.unused == 30 and rep.positions.shape == (1408,)
     # Only the final iterate is returned; the model is a new module.
@@ -147,7 +147,7 @@ def test_progress_reports_prefix_then_passes():
     seen = 5 * 64
     assert np.all(mid.epsilon[seen:] == 0) and np.all(mid.epsilon[:seen] > 0)
     # Positions past the prefix are evaluated at the prefix's last one (same shape, one compilation).
-    direct = pnsgd_privacy(lipschitz=2.0, smoothness=1.0, lr=1.0, noise_std=2 * 2.0 / 64, diameter=60.0, steps=seen,
+    direct = pnsgd_privacy(lipschitz=2.0, smoothness=1.0, learning_rate=1.0, noise_std=2 * 2.0 / 64, diameter=60.0, num_records=seen,
                            delta=1e-5, batch_size=64, positions=np.minimum(np.arange(1, 1409), seen))
     np.testing.assert_allclose(mid.epsilon[:seen], np.asarray(direct.best)[:seen], rtol=EPS_RTOL)
     three = privacy_report(_digits_ledger(steps_done=3 * 22, passes=3, total_steps=66))
@@ -229,7 +229,7 @@ def test_random_stop_draws_uniform_stop_and_reports_theorems_5_and_26(digits):
     rep = res.privacy
     assert rep.analysis == "random-stop"
     stop = np.asarray(stop_pnsgd_contraction_epsilon(1e-5, 22, 2.0 / 64, led.noise_std, 1.0, 60.0, 1.0,
-                                                     position=np.arange(1, 23.0)))
+                                                     positions=np.arange(1, 23.0)))
     np.testing.assert_allclose(rep.by_analysis["random-stop (Thm 5)"], np.repeat(stop, 64), rtol=EPS_RTOL)
     # Feldman et al. Thm 26 (Lemma 25's log-mean-exp form), batches as steps, L/b = 2/64:
     # independent mpmath evaluation at the first and the last batch.
