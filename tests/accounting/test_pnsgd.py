@@ -8,7 +8,6 @@ shared/notes/seeds/000_contraction.md.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -22,7 +21,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxdp._cli_pnsgd import add_pnsgd_parser, run_pnsgd
 from jaxdp.accounting import _contraction as C
 from jaxdp.accounting import _pnsgd as P
 
@@ -210,52 +208,6 @@ def test_traced_invalid_inputs_give_nan(fig2_run):
 
 
 # ----------------------------------- command line -----------------------------------
-
-
-def _parse(argv):
-    parser = argparse.ArgumentParser(prog="jaxdp")
-    sub = parser.add_subparsers(dest="command")
-    add_pnsgd_parser(sub)
-    return parser.parse_args(argv)
-
-
-BASE = ["pnsgd", "--lipschitz", "1", "--smoothness", "0.5", "--lr", "0.5", "--noise-std", "2", "--diameter", "1", "--steps", "40", "--delta", "1e-5"]
-
-
-def test_cli_json_and_table(capsys, tmp_path):
-    args = _parse(BASE + ["--json"])
-    assert run_pnsgd(args) == 0
-    data = json.loads(capsys.readouterr().out)
-    assert data["epsilon"]["contraction"]["last"] == pytest.approx(4.37717809568, rel=1e-9)
-    assert data["epsilon"]["best"]["worst_position"] == 40
-    assert data["epsilon"]["best"]["first"] == 0.0
-    plot = tmp_path / "eps.png"
-    args = _parse(BASE + ["--plot", str(plot)])
-    assert run_pnsgd(args) == 0
-    out = capsys.readouterr().out
-    assert "contraction" in out and "worst" in out and "4.37718" in out
-    assert plot.exists() and plot.stat().st_size > 1000
-
-
-def test_cli_sigma_is_an_alias_of_noise_std():
-    """``--sigma`` (the issue's spelling) still parses, as the absolute noise std."""
-    argv = [("--sigma" if a == "--noise-std" else a) for a in BASE]
-    assert _parse(argv).noise_std == 2.0
-
-
-@pytest.mark.parametrize(
-    "flag,value,name",
-    [("--lr", "4", "--lr"), ("--noise-std", "0", "--noise-std"), ("--diameter", "-1", "--diameter"), ("--delta", "1.5", "--delta"), ("--strong-convexity", "0.9", "--strong-convexity")],
-)
-def test_cli_invalid_arguments(capsys, flag, value, name):
-    argv = list(BASE)
-    if flag in argv:
-        argv[argv.index(flag) + 1] = value
-    else:
-        argv += [flag, value]
-    assert run_pnsgd(_parse(argv)) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("jaxdp: error:") and name in err[0]
 
 
 def test_nearly_zero_strong_convexity_stays_monotone():

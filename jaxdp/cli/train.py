@@ -12,29 +12,18 @@ worst ≈ 3.0 / 3.2 / 5.8 per record at δ = 1e-5 (composition: 17.9), in ~15 s.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
 import time
 import warnings
 
-__all__ = ["add_train_parser", "run_train"]
+from ._common import error, option_message
 
 _MODELS = ("logistic", "softmax", "mlp")
 _DATASETS = ("digits", "mnist", "fashion-mnist")
-# Library parameter name -> command-line option, for error messages.
-_OPTION = {
-    "learning_rate": "--lr", "noise_multiplier": "--noise-multiplier", "batch_size": "--batch-size",
-    "passes": "--passes", "delta": "--delta", "radius": "--radius", "clip_norm": "--clip-norm",
-    "order_seed": "--order-seed", "noise_seed": "--insecure-noise-seed", "schedule": "--schedule", "checkpoint_dir": "--checkpoint-dir",
-    "steps_per_call": "--steps-per-call",
-}
-
-
-def add_train_parser(subparsers) -> argparse.ArgumentParser:
-    """Register the ``train`` subcommand on an ``argparse`` subparsers object."""
-    p = subparsers.add_parser(
+def add_parser(sub) -> None:
+    p = sub.add_parser(
         "train",
         help="train a model with PNSGD and report epsilon per record position",
         description=(
@@ -45,19 +34,21 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
         ),
         epilog=(
             "At epsilon <= 1 for every record (about 77% test accuracy on odd vs even digits): "
-            "jaxdp train --model logistic --lr 0.1 --noise-multiplier 6 --passes 20 --radius 10"
+            "jaxdp train --model logistic --learning-rate 0.1 --noise-multiplier 6 --passes 20 --radius 10"
         ),
     )
     p.add_argument("--dataset", choices=_DATASETS, default="digits", help="data set (default: digits, bundled)")
     p.add_argument("--data-path", default=None, help="MNIST/Fashion-MNIST .npz file or IDX directory (never downloaded)")
     p.add_argument("--model", choices=_MODELS, default="softmax",
                    help="softmax (default), logistic (odd vs even digit) or mlp (one hidden layer of 128)")
-    p.add_argument("--passes", "--epochs", dest="passes", type=int, default=None,
+    p.add_argument("--passes", type=int, default=None,
                    help="passes over the data in the same order (default 10; 1 with --schedule random-stop)")
     p.add_argument("--batch-size", type=int, default=64, help="records per step (default 64)")
-    p.add_argument("--lr", type=float, default=1.0, help="learning rate eta; convex models need eta < 2/beta (default 1)")
+    p.add_argument("--learning-rate", type=float, default=1.0,
+                   help="learning rate eta; convex models need the step-size rule of the README (default 1)")
     p.add_argument("--noise-multiplier", type=float, default=1.0,
-                   help="noise std over the sensitivity 2C/b of the averaged gradient (default 1)")
+                   help="noise std over the replace-one sensitivity 2C/b of the averaged clipped gradient "
+                        "(default 1; Opacus's multiplier for the same noise is twice this)")
     p.add_argument("--radius", type=float, default=30.0, help="radius R of the parameter ball, D = 2R (default 30)")
     p.add_argument("--clip-norm", type=float, default=None,
                    help="clip norm C (default: the Lipschitz bound for convex models, 1 for the MLP)")
@@ -75,27 +66,16 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                    help="write a plot of epsilon against position (default jaxdp_train.png; 'none' to skip)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--smoke", action="store_true", help="a seconds-long run (one pass) to check the set-up")
-    p.set_defaults(func=run_train)
-    return p
-
-
-def _error(msg: str) -> int:
-    print(f"jaxdp: error: {msg}", file=sys.stderr)
-    return 2
+    p.set_defaults(func=run)
 
 
 def _cli_message(msg: str) -> str:
-    first = msg.splitlines()[0] if msg else ""
-    for lib, opt in _OPTION.items():
-        if first.startswith((lib + " ", lib + ":")):
-            first = opt + first[len(lib):]
-            break
-    return (first.replace("resume=True", "--resume").replace("checkpoint_dir", "--checkpoint-dir")
+    return (option_message(msg).replace("resume=True", "--resume").replace("checkpoint_dir", "--checkpoint-dir")
             .replace("schedule='random_stop'", "--schedule random-stop"))
 
 
 def _load(args):
-    from . import data
+    from .. import data
 
     if args.dataset == "digits":
         if args.data_path is not None:
@@ -122,7 +102,7 @@ class _Usage(ValueError):
 def _model(args, ds):
     from flax import nnx
 
-    from . import models
+    from .. import models
 
     d = ds.x_train.shape[1]
     rngs = nnx.Rngs(args.order_seed)
@@ -171,25 +151,27 @@ def _plot(path: str, report, title: str) -> None:
     plt.close(fig)
 
 
-def run_train(args) -> int:
+def run(args) -> int:
     """Run ``jaxdp train`` for parsed ``args``; returns the exit status (2 for bad arguments)."""
     if args.resume and args.checkpoint_dir is None:
-        return _error("--resume needs --checkpoint-dir")
+        return error("--resume needs --checkpoint-dir")
     if args.passes is None:
         passes = 1 if (args.smoke or args.schedule == "random-stop") else 10
     else:
         passes = 1 if args.smoke else args.passes
     try:
+        if str(args.plot).lower() != "none":
+            _check_writable(args.plot)
         ds = _load(args)
         model, ds = _model(args, ds)
         clip = args.clip_norm if args.clip_norm is not None else (1.0 if args.model == "mlp" else None)
-        from .training import train
+        from ..training import train
 
         start = time.perf_counter()
         with warnings.catch_warnings():  # the command prints its own NOT PRIVATE line
             warnings.filterwarnings("ignore", message="noise_seed is fixed", category=UserWarning)
             res = train(
-                model, ds, learning_rate=args.lr, noise_multiplier=args.noise_multiplier, radius=args.radius,
+                model, ds, learning_rate=args.learning_rate, noise_multiplier=args.noise_multiplier, radius=args.radius,
                 batch_size=args.batch_size, passes=passes, delta=args.delta, order_seed=args.order_seed,
                 noise_seed=args.insecure_noise_seed, clip_norm=clip,
                 schedule=args.schedule.replace("-", "_"), checkpoint_dir=args.checkpoint_dir, resume=args.resume,
@@ -197,7 +179,7 @@ def run_train(args) -> int:
             )
         total = time.perf_counter() - start
     except (ValueError, TypeError) as err:
-        return _error(_cli_message(str(err)))
+        return error(_cli_message(str(err)))
 
     rep, led = res.privacy, res.state.ledger
     summaries = {name: rep.summary(v) for name, v in rep.by_analysis.items()}
@@ -206,10 +188,9 @@ def run_train(args) -> int:
     plot = None if str(args.plot).lower() == "none" else args.plot
     title = (f"PNSGD, {args.model} on {ds.name}: {led.passes} pass(es), b={led.batch_size}, eta={led.learning_rate:g}, "
              f"nu={led.noise_multiplier:g}; accuracy {res.test_accuracy:.3f}")
-    if plot:
-        _plot(plot, rep, title)
     payload = {
-        "private": not led.fixed_noise_seed, "dataset": ds.name, "model": args.model, "test_accuracy": res.test_accuracy, "analysis": rep.analysis,
+        "private": not led.fixed_noise_seed, "dataset": ds.name, "model": args.model,
+        "test_accuracy": res.test_accuracy, "analysis": rep.analysis,
         "reason": rep.reason, "delta": rep.delta, "epsilon": rep.summary(), "amplified": amp, "composition": comp,
         "by_analysis": summaries, "ledger": led.to_json(), "train_seconds": res.seconds, "total_seconds": total,
         "plot": plot,
@@ -219,7 +200,7 @@ def run_train(args) -> int:
         payload["ledger"].pop("steps_done")
     if args.json:
         print(json.dumps(payload, allow_nan=True))
-        return 0
+        return _write_plot(plot, rep, title)
 
     def f(x):
         return "inf" if math.isinf(x) else f"{x:.3g}"
@@ -245,21 +226,28 @@ def run_train(args) -> int:
     lines.append(f"reported guarantee: {rep.analysis}; {rep.reason}")
     lines.append("")
     lines.append(rep.table())
-    if plot:
-        lines.append(f"wrote {plot}")
-    print("\n".join(lines))
+    print("\n".join(lines))  # the results first: a failed plot must not lose them
+    status = _write_plot(plot, rep, title)
+    if plot and status == 0:
+        print(f"wrote {plot}")
+    return status
+
+
+def _write_plot(plot, rep, title) -> int:
+    if not plot:
+        return 0
+    try:
+        _plot(plot, rep, title)
+    except OSError as exc:
+        print(f"jaxdp: error: --plot cannot write {plot!r}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     return 0
 
 
-def main(argv=None) -> int:  # pragma: no cover - `python -m jaxdp._cli_train train ...` until wired into cli
-    from .cli import _Parser
+def _check_writable(path: str) -> None:
+    """Refuse an output file that cannot be written, before the training starts."""
+    import os
 
-    parser = _Parser(prog="jaxdp")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    add_train_parser(sub)
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise _Usage(f"--plot cannot write {path!r}: its folder does not exist or is not writable")

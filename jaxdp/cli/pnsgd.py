@@ -9,19 +9,16 @@ command cannot check convexity of the user's loss.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 
-__all__ = ["add_pnsgd_parser", "run_pnsgd"]
+from ._common import error, fmt, option_message
 
 _ANALYSES = ("contraction", "iteration", "strongly_convex", "composition", "best")
 
 
-def add_pnsgd_parser(subparsers) -> argparse.ArgumentParser:
-    """Register the ``pnsgd`` subcommand on an ``argparse`` subparsers object."""
-    p = subparsers.add_parser(
+def add_parser(sub) -> None:
+    p = sub.add_parser(
         "pnsgd",
         help="per-record (ε, δ) of projected noisy SGD with hidden iterates",
         description=(
@@ -34,25 +31,20 @@ def add_pnsgd_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--lipschitz", type=float, required=True, help="L: bound on every per-record gradient norm")
     p.add_argument("--smoothness", type=float, required=True, help="beta > 0: smoothness of the loss")
-    p.add_argument("--lr", type=float, required=True, help="learning rate eta, 0 < eta < 2/(beta + rho)")
-    p.add_argument("--noise-std", "--sigma", dest="noise_std", type=float, required=True,
-                   help="standard deviation of the Gaussian noise on the (averaged) gradient, an absolute scale, "
-                        "not a noise multiplier (--sigma is an older alias)")
+    p.add_argument("--learning-rate", type=float, required=True,
+                   help="learning rate eta (the step-size rule is in the README's glossary)")
+    p.add_argument("--noise-std", type=float, required=True,
+                   help="standard deviation of the Gaussian noise on the (averaged) gradient: an absolute scale, "
+                        "not a noise multiplier")
     p.add_argument("--diameter", type=float, required=True, help="diameter D > 0 of the constraint set")
-    p.add_argument("--steps", type=int, required=True, help="number of records n (one pass)")
+    p.add_argument("--num-records", type=int, required=True, help="number of records n")
     p.add_argument("--delta", type=float, required=True, help="target delta in (0, 1)")
     p.add_argument("--strong-convexity", type=float, default=0.0, help="rho in [0, beta] (default 0)")
     p.add_argument("--batch-size", type=int, default=1, help="records per step (default 1)")
     p.add_argument("--passes", type=int, default=1, help="passes over the data in the same order (default 1)")
     p.add_argument("--plot", metavar="FILE", default=None, help="write a plot of epsilon against position")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(func=run_pnsgd)
-    return p
-
-
-def _error(msg: str) -> int:
-    print(f"jaxdp: error: {msg}", file=sys.stderr)
-    return 2
+    p.set_defaults(func=run)
 
 
 def _summary(values, positions):
@@ -73,57 +65,30 @@ def _summary(values, positions):
 
 
 def _fmt(x: float) -> str:
-    if math.isinf(x):
-        return "inf"
-    if math.isnan(x):
-        return "nan"
-    return f"{x:.6g}"
+    return fmt(x, ".6g")
 
 
-def run_pnsgd(args) -> int:
+def run(args) -> int:
     """Run the ``pnsgd`` subcommand; returns the exit code (2 for invalid arguments)."""
-    checks = (
-        ("--lipschitz", args.lipschitz, lambda v: v >= 0, "must be ≥ 0"),
-        ("--smoothness", args.smoothness, lambda v: v > 0, "must be > 0"),
-        ("--lr", args.lr, lambda v: v > 0, "must be > 0"),
-        ("--noise-std", args.noise_std, lambda v: v > 0, "must be > 0"),
-        ("--diameter", args.diameter, lambda v: v > 0, "must be > 0"),
-        ("--steps", args.steps, lambda v: v >= 1, "must be ≥ 1"),
-        ("--delta", args.delta, lambda v: 0 < v < 1, "must be in (0, 1)"),
-        ("--strong-convexity", args.strong_convexity, lambda v: v >= 0, "must be ≥ 0"),
-        ("--batch-size", args.batch_size, lambda v: v >= 1, "must be ≥ 1"),
-        ("--passes", args.passes, lambda v: v >= 1, "must be ≥ 1"),
-    )
-    for flag, value, ok, what in checks:
-        if value is None or (isinstance(value, float) and not math.isfinite(value)) or not ok(value):
-            return _error(f"{flag} {what}; got {value}")
-    if args.strong_convexity > args.smoothness:
-        return _error(
-            f"--strong-convexity must be ≤ --smoothness; got {args.strong_convexity} > {args.smoothness}"
-        )
-    limit = 2.0 / (args.smoothness + args.strong_convexity)
-    if args.lr >= limit:
-        return _error(f"--lr must be < 2/(smoothness + strong_convexity) = {limit:g}; got {args.lr}")
-
     import numpy as np
 
-    from .accounting._pnsgd import pnsgd_privacy
+    from ..accounting import pnsgd_privacy
 
     try:
         out = pnsgd_privacy(
             lipschitz=args.lipschitz,
             smoothness=args.smoothness,
-            learning_rate=args.lr,
+            learning_rate=args.learning_rate,
             noise_std=args.noise_std,
             diameter=args.diameter,
-            num_records=int(args.steps),
+            num_records=int(args.num_records),
             delta=args.delta,
             strong_convexity=args.strong_convexity,
             batch_size=int(args.batch_size),
             passes=int(args.passes),
         )
-    except ValueError as exc:  # a parameter the checks above did not anticipate
-        return _error(str(exc))
+    except ValueError as exc:  # the library names the parameter; the option has its name
+        return error(option_message(str(exc)))
     positions = np.asarray(out.positions).astype(np.int64)
     results = {name: _summary(getattr(out, name), positions) for name in _ANALYSES}
     if args.json:
@@ -132,10 +97,10 @@ def run_pnsgd(args) -> int:
                 "lipschitz": args.lipschitz,
                 "smoothness": args.smoothness,
                 "strong_convexity": args.strong_convexity,
-                "lr": args.lr,
+                "learning_rate": args.learning_rate,
                 "noise_std": args.noise_std,
                 "diameter": args.diameter,
-                "steps": args.steps,
+                "num_records": args.num_records,
                 "batch_size": args.batch_size,
                 "passes": args.passes,
                 "delta": args.delta,
@@ -149,10 +114,10 @@ def run_pnsgd(args) -> int:
     else:
         mid_pos = results["best"]["median_position"]
         print(
-            f"PNSGD, n = {args.steps}, batch {args.batch_size}, passes {args.passes}, noise std = {args.noise_std:g}, "
+            f"PNSGD, n = {args.num_records}, batch {args.batch_size}, passes {args.passes}, noise std = {args.noise_std:g}, "
             f"delta = {args.delta:g}: epsilon per record position (hidden iterates)"
         )
-        header = f"{'analysis':<16} {'first (i=1)':>12} {f'median (i={mid_pos})':>18} {f'last (i={args.steps})':>16} {'worst':>12}"
+        header = f"{'analysis':<16} {'first (i=1)':>12} {f'median (i={mid_pos})':>18} {f'last (i={args.num_records})':>16} {'worst':>12}"
         print(header)
         print("-" * len(header))
         for name in _ANALYSES:
@@ -176,11 +141,11 @@ def run_pnsgd(args) -> int:
                 ax.plot(positions, y, label=name, lw=2.5 if name == "best" else 1.2, ls="--" if name == "best" else "-")
             ax.set_xlabel("record position i")
             ax.set_ylabel(f"epsilon at delta = {args.delta:g}")
-            ax.set_title(f"PNSGD, n = {args.steps}, noise std = {args.noise_std:g}")
+            ax.set_title(f"PNSGD, n = {args.num_records}, noise std = {args.noise_std:g}")
             ax.legend()
             fig.tight_layout()
             fig.savefig(args.plot, dpi=120)
             plt.close(fig)
         except OSError as exc:
-            return _error(f"--plot cannot write {args.plot!r}: {exc}")
+            return error(f"--plot cannot write {args.plot!r}: {exc}")
     return 0

@@ -1,0 +1,38 @@
+"""``jaxdp calibrate``: the smallest DP-SGD noise multiplier meeting a target (ε, δ)."""
+
+from __future__ import annotations
+
+import math
+
+from ._common import add_conversion_options, emit, number, orders
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("calibrate", help="smallest noise multiplier for a target epsilon",
+                       description="Smallest DP-SGD noise multiplier meeting the target (epsilon, delta); its "
+                                   "epsilon, recomputed, never exceeds the target.")
+    p.add_argument("--epsilon", type=number("--epsilon"), required=True, help="target epsilon (> 0)")
+    p.add_argument("--q", type=number("--q"), required=True, help="Poisson sampling rate in [0, 1]")
+    p.add_argument("--num-steps", type=number("--num-steps"), required=True, help="number of noisy steps (>= 0)")
+    p.add_argument("--delta", type=number("--delta"), required=True, help="target delta in (0, 1)")
+    add_conversion_options(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from .. import accounting as A
+
+    res = A.calibrate_noise_multiplier(args.epsilon, args.q, args.num_steps, args.delta, orders=orders(args),
+                                       method=args.method)
+    nm, eps = float(res.noise_multiplier), float(res.epsilon)
+    payload = dict(target_epsilon=args.epsilon, q=args.q, num_steps=args.num_steps, delta=args.delta,
+                   noise_multiplier=nm, epsilon=eps)
+    if not math.isfinite(nm):
+        emit(args, payload, [f"no noise multiplier in the search range reaches epsilon <= {args.epsilon:g}"])
+        return 1
+    emit(args, payload, [
+        f"smallest noise multiplier: {nm:.6f}",
+        f"it gives epsilon = {eps:.6f} <= {args.epsilon:g} at delta = {args.delta:g} "
+        f"(q={args.q:g}, steps={args.num_steps:g})",
+    ])
+    return 0

@@ -1,0 +1,93 @@
+"""The ``jaxdp`` command: the parser, the compilation cache and the entry point.
+
+Each subcommand is one module of this package (``add_parser`` registers it, ``run``
+executes it); nothing in the library imports this package. Every invalid argument ends
+with a one-line ``jaxdp: error: ...`` naming the option and exit status 2; no traceback
+reaches the user.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+from . import calibrate, epsilon, grid, pnsgd, train
+from ._common import Parser, error, option_message
+
+SUBCOMMANDS = (epsilon, calibrate, grid, pnsgd, train)
+
+
+def build_parser() -> Parser:
+    """The ``jaxdp`` argument parser with every subcommand."""
+    from .. import __version__
+
+    parser = Parser(prog="jaxdp", description="JAX-native differential-privacy accounting and private training.",
+                    epilog="Compiled programs are kept in $XDG_CACHE_HOME/jaxdp/xla (~/.cache/jaxdp/xla) so that "
+                           "later runs start faster; set JAXDP_CACHE_DIR to another folder, or to 'off'.")
+    parser.add_argument("--version", action="version", version=f"jaxdp {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    for module in SUBCOMMANDS:
+        module.add_parser(sub)
+    return parser
+
+
+_CACHE_OFF = ("", "0", "off", "no", "none", "false")
+_CACHE_MAX_BYTES = 512 * 2**20
+
+
+def _enable_compilation_cache() -> str | None:
+    """Turn on JAX's persistent compilation cache for this command; return its folder.
+
+    The accountants and the training step take seconds to compile and the command runs
+    them afresh in each process, so compiled programs are kept on disk: by default in
+    ``$XDG_CACHE_HOME/jaxdp/xla`` (``~/.cache/jaxdp/xla``). ``JAXDP_CACHE_DIR`` names
+    another folder, or turns the cache off with ``off`` (or ``0``, ``none``, empty).
+    The folder is capped at 512 MiB (least recently used entries go first). If
+    ``JAX_COMPILATION_CACHE_DIR`` is set, JAX's own setting is left alone. A folder
+    that cannot be created or written is skipped silently (the command just compiles).
+    Only the command does this; importing the library never changes JAX's settings.
+    """
+    choice = os.environ.get("JAXDP_CACHE_DIR")
+    if choice is not None and choice.strip().lower() in _CACHE_OFF:
+        return None
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return None
+    try:  # JAX needs it to cap the cache's size (a dependency; without it, no cache)
+        import filelock  # noqa: F401
+    except ImportError:
+        return None
+    if choice is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        choice = os.path.join(base, "jaxdp", "xla")
+    path = os.path.abspath(os.path.expanduser(choice))
+    try:
+        os.makedirs(path, exist_ok=True)
+        if not os.access(path, os.W_OK):
+            return None
+    except OSError:
+        return None
+    import jax
+
+    # Least-recently-used entries are evicted beyond this size (entries are 0.1-1 MB).
+    jax.config.update("jax_compilation_cache_max_size", _CACHE_MAX_BYTES)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _enable_compilation_cache()
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, TypeError) as exc:  # validation errors name the parameter
+        msg = str(exc) or type(exc).__name__
+        return error(option_message(msg))
+    except KeyboardInterrupt:
+        print("jaxdp: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # never a traceback on the command line
+        print(f"jaxdp: error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", file=sys.stderr)
+        return 1
