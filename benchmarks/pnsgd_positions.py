@@ -19,8 +19,8 @@ import time
 import jax
 import numpy as np
 
-from jaxdp.accounting._contraction import pnsgd_contraction_epsilon
-from jaxdp.accounting._pnsgd import pnsgd_privacy
+from jaxdp.accounting import pnsgd_contraction_epsilon
+from jaxdp.accounting import pnsgd_privacy
 
 RUN = dict(lipschitz=1.0, smoothness=1.0, learning_rate=0.5, noise_std=1.0, diameter=1.0, strong_convexity=0.2, delta=1e-5)
 
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
         first, steady = _time(lambda n=n: pnsgd_privacy(num_records=n, **RUN).best, args.repeats)
         out = pnsgd_privacy(num_records=n, **RUN)
         if n <= args.baseline_max:
-            from jaxdp.accounting._contraction import step_contraction
+            from jaxdp.accounting import step_contraction
 
             m = float(step_contraction(RUN["learning_rate"], RUN["smoothness"], RUN["strong_convexity"]))
             pos = np.arange(1, n + 1)

@@ -11,7 +11,7 @@ Which guarantee is reported:
 
 * ``"hidden-state"``: the element-wise best of the contraction (Asoodeh et al. Thm 4),
   amplification-by-iteration (Feldman et al. Thm 23), strongly convex and composition
-  bounds of :func:`jaxdp.accounting._pnsgd.pnsgd_privacy`. It needs a convex,
+  bounds of :func:`jaxdp.accounting.pnsgd_privacy`. It needs a convex,
   :math:`L`-Lipschitz, :math:`\beta`-smooth loss, :math:`\eta < 2/\beta`, clipping that
   never acts (so each update is a gradient step on that loss; pitfall 3 of the PABI
   notes), and only the final iterate released.
@@ -229,14 +229,14 @@ def _fmt(x: float) -> str:
 
 def _pnsgd_epsilons(*, lipschitz, smoothness, strong_convexity, lr, noise_std, diameter, records,
                     batch_size, passes, delta, positions, amplified: bool) -> dict[str, np.ndarray]:
-    """ε per position from :func:`jaxdp.accounting._pnsgd.pnsgd_privacy` (the only call site).
+    """ε per position from :func:`jaxdp.accounting.pnsgd_privacy` (the only call site).
 
     ``noise_std`` is the absolute std σ of the noise on the averaged gradient, i.e.
     ``pnsgd_noise_std(ν, C, b)``. With ``amplified=False`` only the composition bound is
     returned; it depends on neither β nor η nor D, so a stand-in smoothness ``1/η`` (which
     makes the step valid) is passed when β is unknown.
     """
-    from ..accounting._pnsgd import pnsgd_privacy
+    from ..accounting import pnsgd_privacy
 
     if not amplified or smoothness is None:
         smoothness, strong_convexity = 1.0 / float(lr), 0.0
@@ -270,8 +270,8 @@ def _stop_epsilons(ledger: PrivacyLedger) -> dict[str, np.ndarray]:
       improved conversion.
     """
     from ..accounting import DEFAULT_ORDERS, rdp_to_epsilon
-    from ..accounting._contraction import step_contraction, stop_pnsgd_contraction_epsilon
-    from ..accounting._iteration import stop_pnsgd_iteration_rdp
+    from ..accounting import step_contraction, stop_pnsgd_contraction_epsilon
+    from ..accounting import stop_pnsgd_iteration_rdp
 
     n, b, m = ledger.records, ledger.batch_size, ledger.steps_per_pass
     b_min = min(b, n - (m - 1) * b)
