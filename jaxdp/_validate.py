@@ -118,3 +118,34 @@ def valid_mask(*conditions: jax.Array) -> jax.Array:
     for c in conditions:
         out = out & c
     return out
+
+
+def check_integer(name: str, value: Any, lo: float = 1.0, hi: float = math.inf) -> None:
+    """A concrete ``value`` must be a whole number in [lo, hi] (a count, such as num_steps)."""
+    check_in_range(name, value, lo, hi)
+    if not is_concrete(value):
+        return
+    arr = np.asarray(value, dtype=np.float64)
+    bad = arr != np.floor(arr)
+    if np.any(bad):
+        raise ValueError(f"{name} must be a whole number in {_fmt(lo, hi, False, False)}; got {_first_bad(arr, bad)}.")
+
+
+def check_probability_vectors(name: str, p: Any, *, atol: float = 1e-6) -> None:
+    """Concrete ``p`` must hold probability vectors along its last axis.
+
+    Entries must be finite and ≥ 0 and each vector must sum to 1 within ``atol`` (loose
+    enough for float32 inputs).
+    """
+    if not is_concrete(p):
+        return
+    arr = np.asarray(p, dtype=np.float64)
+    if arr.ndim == 0:
+        raise ValueError(f"{name} must have a last axis holding a probability vector; got a scalar.")
+    check_in_range(name, arr, 0.0, math.inf)
+    sums = arr.sum(axis=-1)
+    bad = np.abs(sums - 1.0) > atol
+    if np.any(bad):
+        raise ValueError(
+            f"{name} must sum to 1 along its last axis (within {atol:g}); got a sum of {_first_bad(sums, bad)}."
+        )
