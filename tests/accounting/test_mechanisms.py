@@ -470,3 +470,44 @@ def test_divergences_validation_jit_vmap():
     np.testing.assert_allclose(vm, A.hockey_stick_divergence(p, q, 0.2), rtol=1e-15)
     g = jax.grad(A.hockey_stick_divergence, argnums=2)(jnp.array([0.2, 0.8]), q, 0.2)
     np.testing.assert_allclose(g, -math.exp(0.2) * 0.4, rtol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------
+# The jit / grad / x64 matrix for every accountant.
+# ---------------------------------------------------------------------------------------
+
+_P2, _Q2 = (0.2, 0.8), (0.6, 0.4)
+MATRIX = {
+    "calibrate_laplace_scale": (A.calibrate_laplace_scale, (0.5, 2.0)),
+    "gaussian_mechanism_delta": (A.gaussian_mechanism_delta, (1.0, 2.0)),
+    "gaussian_mechanism_epsilon": (lambda s: A.gaussian_mechanism_epsilon(1e-5, s), (1.0,)),
+    "calibrate_gaussian_noise_multiplier": (A.calibrate_gaussian_noise_multiplier, (1.0, 1e-5)),
+    "advanced_composition": (A.advanced_composition, (0.1, 0.0, 100.0, 1e-5)),
+    "optimal_homogeneous_composition": (
+        lambda e: A.optimal_homogeneous_composition(e, 0.0, 100.0, 1e-5, max_num_steps=128), (0.1,)),
+    "amplify_by_poisson_sampling": (lambda e, q: A.amplify_by_poisson_sampling(e, 0.0, q)[0], (1.0, 0.01)),
+    "amplify_by_sampling_without_replacement": (
+        lambda e: A.amplify_by_sampling_without_replacement(e, 0.0, 10, 1000)[0], (1.0,)),
+    "basic_composition": (lambda e: A.basic_composition(jnp.stack([e, 2.0 * e]), 0.0)[0], (0.25,)),
+    "hockey_stick_divergence": (lambda e: A.hockey_stick_divergence(_P2, _Q2, e), (0.2,)),
+    "kl_divergence": (lambda a: A.kl_divergence(jnp.stack([a, 1.0 - a]), _Q2), (0.25,)),
+}
+# x64 off vs on: the inputs are Python floats (or stacks of float32-exact values), so the
+# value is the same float64 number; the gradient is float32 when x64 is off (JAX returns the
+# cotangent in the input's dtype), and is compared with central differences of the float64
+# value (FD_STEP: truncation and rounding below 1e-7 relative), so 1e-6 covers both.
+F32_RTOL = 1e-6
+
+
+@pytest.mark.parametrize("name", sorted(MATRIX))
+def test_accountant_matrix(name):
+    f, args = MATRIX[name]
+    v64 = float(f(*args))
+    fd = (float(f(args[0] + FD_STEP, *args[1:])) - float(f(args[0] - FD_STEP, *args[1:]))) / (2 * FD_STEP)
+    assert math.isfinite(v64) and math.isfinite(fd)
+    with jax.enable_x64(False):
+        v = f(*args)
+        assert v.dtype == jnp.float64
+        assert float(v) == pytest.approx(v64, rel=1e-15)
+        assert float(jax.grad(f)(*args)) == pytest.approx(fd, rel=F32_RTOL)
+        assert float(jax.jit(jax.grad(f))(*args)) == pytest.approx(fd, rel=F32_RTOL)
