@@ -20,6 +20,8 @@ from dp_accounting import gaussian_mechanism as dpa_gauss
 from dp_accounting.pld import accountant as dpa_accountant
 from dp_accounting.pld import common as dpa_common
 from dp_accounting.pld import privacy_loss_mechanism as dpa_plm
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jaxdp.accounting as A
 
@@ -511,3 +513,26 @@ def test_accountant_matrix(name):
         assert float(v) == pytest.approx(v64, rel=1e-15)
         assert float(jax.grad(f)(*args)) == pytest.approx(fd, rel=F32_RTOL)
         assert float(jax.jit(jax.grad(f))(*args)) == pytest.approx(fd, rel=F32_RTOL)
+
+
+# ---------------------------------------------------------------------------------------
+# Properties (hypothesis): certified and monotone.
+# ---------------------------------------------------------------------------------------
+
+@settings(max_examples=30, deadline=None)
+@given(eps=st.floats(0.05, 8.0), log10_delta=st.floats(-12.0, -1.0))
+def test_analytic_calibration_certified_and_monotone(eps, log10_delta):
+    delta = 10.0**log10_delta
+    s = float(A.calibrate_gaussian_noise_multiplier(eps, delta))
+    assert mp_gauss_delta(eps, s) <= delta
+    assert float(A.calibrate_gaussian_noise_multiplier(eps * 1.1, delta)) <= s
+    assert float(A.gaussian_mechanism_epsilon(delta, s)) <= eps * (1 + 1e-9)
+
+
+@settings(max_examples=30, deadline=None)
+@given(eps=st.floats(0.0, 2.0), k=st.integers(1, 120), log10_total=st.floats(-9.0, -1.0))
+def test_composition_ordering(eps, k, log10_total):
+    total = 10.0**log10_total
+    opt = float(A.optimal_homogeneous_composition(eps, 0.0, k, total, max_num_steps=128))
+    drv = float(A.advanced_composition(eps, 0.0, k, total))
+    assert opt <= drv * (1 + 1e-12) + 1e-12 and drv <= k * eps * (1 + 1e-12) + 1e-12
