@@ -128,15 +128,15 @@ def valid_mask(*conditions: jax.Array) -> jax.Array:
     return out
 
 
-def check_integer(name: str, value: Any, lo: float = 1.0) -> None:
-    """Concrete ``value`` must be an integer ≥ ``lo`` (floats holding integers are fine)."""
+def check_integer(name: str, value: Any, lo: float = 1.0, hi: float = math.inf) -> None:
+    """A concrete ``value`` must be a whole number in [lo, hi] (a count, such as num_steps)."""
+    check_in_range(name, value, lo, hi)
     if not is_concrete(value):
         return
-    check_in_range(name, value, lo, math.inf)
     arr = np.asarray(value, dtype=np.float64)
     bad = arr != np.floor(arr)
     if np.any(bad):
-        raise ValueError(f"{name} must be an integer ≥ {lo:g}; got {np.ravel(arr)[np.ravel(bad)][0]:g}.")
+        raise ValueError(f"{name} must be an integer in {_fmt(lo, hi, False, False)}; got {_first_bad(arr, bad)}.")
 
 
 def check_not_above(name: str, value: Any, bound_name: str, bound: Any) -> None:
@@ -224,3 +224,23 @@ def is_int(x: jax.Array, lo: float = 1.0) -> jax.Array:
 def nan_unless(valid: jax.Array, value: jax.Array) -> jax.Array:
     """``value`` where ``valid``, NaN elsewhere (invalid inputs under jit never give a number)."""
     return jnp.where(valid, value, jnp.nan)
+
+
+def check_probability_vectors(name: str, p: Any, *, atol: float = 1e-6) -> None:
+    """Concrete ``p`` must hold probability vectors along its last axis.
+
+    Entries must be finite and ≥ 0 and each vector must sum to 1 within ``atol`` (loose
+    enough for float32 inputs).
+    """
+    if not is_concrete(p):
+        return
+    arr = np.asarray(p, dtype=np.float64)
+    if arr.ndim == 0:
+        raise ValueError(f"{name} must have a last axis holding a probability vector; got a scalar.")
+    check_in_range(name, arr, 0.0, math.inf)
+    sums = arr.sum(axis=-1)
+    bad = np.abs(sums - 1.0) > atol
+    if np.any(bad):
+        raise ValueError(
+            f"{name} must sum to 1 along its last axis (within {atol:g}); got a sum of {_first_bad(sums, bad)}."
+        )

@@ -71,3 +71,40 @@ __all__ = [
     "stop_pnsgd_iteration_rdp",
     "strongly_convex_iteration_rdp",
 ]
+
+# Classic mechanisms, composition theorems, subsampling and discrete divergences.
+from ._composition import ADVANCED_COMPOSITION_FORMS as ADVANCED_COMPOSITION_FORMS  # noqa: E402
+from ._composition import advanced_composition as advanced_composition  # noqa: E402
+from ._composition import amplify_by_poisson_sampling as amplify_by_poisson_sampling  # noqa: E402
+from ._composition import (  # noqa: E402
+    amplify_by_sampling_without_replacement as amplify_by_sampling_without_replacement,
+)
+from ._composition import basic_composition as basic_composition  # noqa: E402
+from ._composition import optimal_homogeneous_composition as optimal_homogeneous_composition  # noqa: E402
+from ._divergences import hockey_stick_divergence as hockey_stick_divergence  # noqa: E402
+from ._divergences import kl_divergence as kl_divergence  # noqa: E402
+from ._mechanisms import GAUSSIAN_CALIBRATIONS as GAUSSIAN_CALIBRATIONS  # noqa: E402
+from ._mechanisms import calibrate_gaussian_noise_multiplier as calibrate_gaussian_noise_multiplier  # noqa: E402
+from ._mechanisms import calibrate_laplace_scale as calibrate_laplace_scale  # noqa: E402
+from ._mechanisms import gaussian_mechanism as gaussian_mechanism  # noqa: E402
+from ._mechanisms import gaussian_mechanism_delta as gaussian_mechanism_delta  # noqa: E402
+from ._mechanisms import gaussian_mechanism_epsilon as gaussian_mechanism_epsilon  # noqa: E402
+from ._mechanisms import laplace_mechanism as laplace_mechanism  # noqa: E402
+
+__all__ += [
+    "ADVANCED_COMPOSITION_FORMS",
+    "advanced_composition",
+    "amplify_by_poisson_sampling",
+    "amplify_by_sampling_without_replacement",
+    "basic_composition",
+    "calibrate_gaussian_noise_multiplier",
+    "calibrate_laplace_scale",
+    "GAUSSIAN_CALIBRATIONS",
+    "gaussian_mechanism",
+    "gaussian_mechanism_delta",
+    "gaussian_mechanism_epsilon",
+    "hockey_stick_divergence",
+    "kl_divergence",
+    "laplace_mechanism",
+    "optimal_homogeneous_composition",
+]
