@@ -25,7 +25,7 @@ _SUM_ATOL = 1e-6
 
 def _distributions(p, q):
     _validate.check_probability_vectors("p", p, atol=_SUM_ATOL)
-    _validate.check_probability_vectors("q", q, atol=_SUM_ATOL)
+    _validate.check_probability_vectors("p_prime", q, atol=_SUM_ATOL)
     p, q = f64(p), f64(q)
     p, q = jnp.broadcast_arrays(p, q)
 

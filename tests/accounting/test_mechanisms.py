@@ -463,7 +463,7 @@ def test_kl_matches_scipy_and_handles_zeros():
 def test_divergences_validation_jit_vmap():
     with pytest.raises(ValueError, match="p must sum to 1"):
         A.kl_divergence([0.5, 0.6], [0.5, 0.5])
-    with pytest.raises(ValueError, match="q"):
+    with pytest.raises(ValueError, match="p_prime"):
         A.hockey_stick_divergence([0.5, 0.5], [1.5, -0.5], 0.0)
     assert math.isnan(float(jax.jit(A.kl_divergence)(jnp.array([0.5, 0.6]), jnp.array([0.5, 0.5]))))
     p = jnp.array([[0.2, 0.8], [0.5, 0.5]])
