@@ -19,8 +19,7 @@ import time
 import jax
 import numpy as np
 
-from jaxdp.accounting import pnsgd_contraction_epsilon
-from jaxdp.accounting import pnsgd_privacy
+from jaxdp.accounting import pnsgd_contraction_epsilon, pnsgd_privacy
 
 RUN = dict(lipschitz=1.0, smoothness=1.0, learning_rate=0.5, noise_std=1.0, diameter=1.0, strong_convexity=0.2, delta=1e-5)
 

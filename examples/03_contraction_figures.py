@@ -31,8 +31,7 @@ import jax
 import matplotlib.pyplot as plt
 import numpy as np
 
-from jaxdp.accounting import log_pnsgd_contraction_delta
-from jaxdp.accounting import strongly_convex_iteration_rdp
+from jaxdp.accounting import log_pnsgd_contraction_delta, strongly_convex_iteration_rdp
 
 N = 40
 FIG2 = dict(lipschitz=1.0, noise_std=2.0, lr=0.5, diameter=1.0, contraction=1.0, positions=(1, 20, 39))

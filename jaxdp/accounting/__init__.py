@@ -73,23 +73,23 @@ __all__ = [
 ]
 
 # Classic mechanisms, composition theorems, subsampling and discrete divergences.
-from ._composition import ADVANCED_COMPOSITION_FORMS as ADVANCED_COMPOSITION_FORMS  # noqa: E402
-from ._composition import advanced_composition as advanced_composition  # noqa: E402
-from ._composition import amplify_by_poisson_sampling as amplify_by_poisson_sampling  # noqa: E402
-from ._composition import (  # noqa: E402
+from ._composition import ADVANCED_COMPOSITION_FORMS as ADVANCED_COMPOSITION_FORMS
+from ._composition import advanced_composition as advanced_composition
+from ._composition import amplify_by_poisson_sampling as amplify_by_poisson_sampling
+from ._composition import (
     amplify_by_sampling_without_replacement as amplify_by_sampling_without_replacement,
 )
-from ._composition import basic_composition as basic_composition  # noqa: E402
-from ._composition import optimal_homogeneous_composition as optimal_homogeneous_composition  # noqa: E402
-from ._divergences import hockey_stick_divergence as hockey_stick_divergence  # noqa: E402
-from ._divergences import kl_divergence as kl_divergence  # noqa: E402
-from ._mechanisms import GAUSSIAN_CALIBRATIONS as GAUSSIAN_CALIBRATIONS  # noqa: E402
-from ._mechanisms import calibrate_gaussian_noise_multiplier as calibrate_gaussian_noise_multiplier  # noqa: E402
-from ._mechanisms import calibrate_laplace_scale as calibrate_laplace_scale  # noqa: E402
-from ._mechanisms import gaussian_mechanism as gaussian_mechanism  # noqa: E402
-from ._mechanisms import gaussian_mechanism_delta as gaussian_mechanism_delta  # noqa: E402
-from ._mechanisms import gaussian_mechanism_epsilon as gaussian_mechanism_epsilon  # noqa: E402
-from ._mechanisms import laplace_mechanism as laplace_mechanism  # noqa: E402
+from ._composition import basic_composition as basic_composition
+from ._composition import optimal_homogeneous_composition as optimal_homogeneous_composition
+from ._divergences import hockey_stick_divergence as hockey_stick_divergence
+from ._divergences import kl_divergence as kl_divergence
+from ._mechanisms import GAUSSIAN_CALIBRATIONS as GAUSSIAN_CALIBRATIONS
+from ._mechanisms import calibrate_gaussian_noise_multiplier as calibrate_gaussian_noise_multiplier
+from ._mechanisms import calibrate_laplace_scale as calibrate_laplace_scale
+from ._mechanisms import gaussian_mechanism as gaussian_mechanism
+from ._mechanisms import gaussian_mechanism_delta as gaussian_mechanism_delta
+from ._mechanisms import gaussian_mechanism_epsilon as gaussian_mechanism_epsilon
+from ._mechanisms import laplace_mechanism as laplace_mechanism
 
 __all__ += [
     "ADVANCED_COMPOSITION_FORMS",

@@ -25,7 +25,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .. import _validate
 from .._numerics import f64, float64, log_ndtr

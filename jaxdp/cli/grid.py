@@ -25,7 +25,6 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import time
 
-
     import numpy as np
 
     from .. import accounting as A

@@ -12,7 +12,7 @@ Which guarantee is reported:
 * ``"hidden-state"``: the element-wise best of the contraction (Asoodeh et al. Thm 4),
   amplification-by-iteration (Feldman et al. Thm 23), strongly convex and composition
   bounds of :func:`jaxdp.accounting.pnsgd_privacy`. It needs a convex,
-  :math:`L`-Lipschitz, :math:`\beta`-smooth loss, :math:`\eta < 2/\beta`, clipping that
+  :math:`L`-Lipschitz, :math:`\beta`-smooth loss, :math:`\eta \le 2/(\beta+\rho)`, clipping that
   never acts (so each update is a gradient step on that loss; pitfall 3 of the PABI
   notes), and only the final iterate released.
 * ``"random-stop"``: one pass stopped after :math:`T \sim \mathrm{Uniform}\{1..m\}`
@@ -227,7 +227,7 @@ def _fmt(x: float) -> str:
 # ----------------------------------------------------------------------------------------
 
 
-def _pnsgd_epsilons(*, lipschitz, smoothness, strong_convexity, lr, noise_std, diameter, records,
+def _pnsgd_epsilons(*, lipschitz, smoothness, strong_convexity, learning_rate, noise_std, diameter, records,
                     batch_size, passes, delta, positions, amplified: bool) -> dict[str, np.ndarray]:
     """ε per position from :func:`jaxdp.accounting.pnsgd_privacy` (the only call site).
 
@@ -239,10 +239,10 @@ def _pnsgd_epsilons(*, lipschitz, smoothness, strong_convexity, lr, noise_std, d
     from ..accounting import pnsgd_privacy
 
     if not amplified or smoothness is None:
-        smoothness, strong_convexity = 1.0 / float(lr), 0.0
+        smoothness, strong_convexity = 1.0 / float(learning_rate), 0.0
     out = pnsgd_privacy(
-        lipschitz=float(lipschitz), smoothness=float(smoothness), learning_rate=float(lr), noise_std=float(noise_std),
-        diameter=float(diameter), num_records=int(records), delta=float(delta),
+        lipschitz=float(lipschitz), smoothness=float(smoothness), learning_rate=float(learning_rate),
+        noise_std=float(noise_std), diameter=float(diameter), num_records=int(records), delta=float(delta),
         strong_convexity=float(strong_convexity), batch_size=int(batch_size), passes=int(passes),
         positions=positions,
     )
@@ -269,9 +269,13 @@ def _stop_epsilons(ledger: PrivacyLedger) -> dict[str, np.ndarray]:
       :math:`T` is bounded by Lemma 25. Converted to ε over ``DEFAULT_ORDERS`` with the
       improved conversion.
     """
-    from ..accounting import DEFAULT_ORDERS, rdp_to_epsilon
-    from ..accounting import step_contraction, stop_pnsgd_contraction_epsilon
-    from ..accounting import stop_pnsgd_iteration_rdp
+    from ..accounting import (
+        DEFAULT_ORDERS,
+        rdp_to_epsilon,
+        step_contraction,
+        stop_pnsgd_contraction_epsilon,
+        stop_pnsgd_iteration_rdp,
+    )
 
     n, b, m = ledger.records, ledger.batch_size, ledger.steps_per_pass
     b_min = min(b, n - (m - 1) * b)

@@ -377,7 +377,7 @@ def train(
       with ``lipschitz`` and ``smoothness``): :math:`C` defaults to the Lipschitz bound
       :math:`L`, so clipping cannot act on any admissible example; the loop **verifies at
       run time** (from the unclipped per-example norms) that no gradient exceeded
-      :math:`C`, and requires :math:`\eta < 2/\beta`. Then the hidden-state (or
+      :math:`C`, and requires :math:`\eta \le 2/(\beta+\rho)`. Then the hidden-state (or
       random-stop) bound is reported.
     * otherwise (a non-convex model such as :class:`~jaxdp.models.MLP`, a clip norm below
       :math:`L`, any clipped update, or ``return_intermediates=True``): the composition
@@ -388,7 +388,8 @@ def train(
       data: :class:`jaxdp.data.Dataset` (its ``feature_norm_bound`` gives the convex
         models' constants; its test part gives ``test_accuracy``) or a pair ``(x, y)``
         (then pass ``lipschitz``/``smoothness`` for a convex guarantee).
-      learning_rate: :math:`\eta > 0`; for convex models :math:`\eta < 2/\beta`.
+      learning_rate: :math:`\eta > 0`; for convex models the library's step-size rule
+        :math:`\eta \le 2/(\beta + \rho)`.
       noise_multiplier: :math:`\nu > 0` (noise std over the sensitivity :math:`2C/b`).
       radius: :math:`R > 0` of the parameter ball; the accountant's :math:`D = 2R`.
       batch_size: :math:`b`, 1 to the number of training examples.
@@ -428,7 +429,7 @@ def train(
 
     Raises:
       ValueError: naming the parameter, for non-positive ``learning_rate``,
-        ``noise_multiplier``, ``radius`` or ``clip_norm``, :math:`\eta \ge 2/\beta` for a
+        ``noise_multiplier``, ``radius`` or ``clip_norm``, a step :math:`\eta > 2/(\beta+\rho)` for a
         convex model, NaN or infinite features, rows above the feature norm bound, a bad
         ``batch_size``/``passes``/``schedule``/``delta``, a non-empty ``checkpoint_dir``
         without ``resume``, or a checkpoint from another configuration. Nothing is written
@@ -496,13 +497,8 @@ def train(
         )
     lip_bound, beta = (float(constants[0]), float(constants[1])) if (is_convex and constants) else (None, None)
     if is_convex:
-        if float(learning_rate) >= 2.0 / beta:
-            raise ValueError(
-                f"learning_rate must be < 2/smoothness = {2.0 / beta:g} for the gradient step to be a "
-                f"contraction (smoothness beta = {beta:g}); got {float(learning_rate):g}."
-            )
-        if strong_convexity > beta:
-            raise ValueError(f"strong_convexity must be <= smoothness = {beta:g}; got {strong_convexity:g}.")
+        # The library's one step-size rule, 0 < eta <= 2/(beta + rho) (also checks rho <= beta).
+        _validate.check_learning_rate(learning_rate, beta, strong_convexity)
         if x_bound is not None and constants is not None and lipschitz is None:
             norms = np.linalg.norm(x.astype(np.float64), axis=1)
             if norms.size and norms.max() > x_bound:
@@ -549,7 +545,7 @@ def train(
     else:
         analysis = "random-stop" if schedule == "random_stop" else "hidden-state"
         reason = (
-            f"convex loss, L={lip_bound:g}, beta={beta:g}, eta={float(learning_rate):g} < 2/beta, C={clip_norm:g} >= L "
+            f"convex loss, L={lip_bound:g}, beta={beta:g}, eta={float(learning_rate):g} <= 2/(beta+rho), C={clip_norm:g} >= L "
             "(no per-example gradient clipped, verified at run time), only the final iterate released")
     acct_lip = min(clip_norm, lip_bound) if (lip_bound is not None and analysis != "composition") else clip_norm
 

@@ -297,8 +297,9 @@ def pnsgd(learning_rate, noise_multiplier, clip_norm, radius, key, batch_size: i
       radius: :math:`R > 0`.
       key: JAX PRNG key (or int seed) for the noise; it is split every step.
       batch_size: :math:`b \ge 1`, the number of examples averaged into :math:`g`.
-      smoothness: optional :math:`\beta > 0`; if given, ``learning_rate > 2/β`` (not a
-        contraction) raises ``ValueError``.
+      smoothness: optional :math:`\beta > 0`; if given, a step outside the library's
+        step-size rule :math:`0 < \eta \le 2/\beta` (README, "Names and units") raises
+        ``ValueError``.
 
     Returns:
       ``optax.GradientTransformation`` whose state is the chain's tuple
@@ -328,15 +329,10 @@ def pnsgd(learning_rate, noise_multiplier, clip_norm, radius, key, batch_size: i
     _validate.check_in_range("radius", radius, 0.0, math.inf, lo_open=True)
     _check_batch_size(batch_size)
     if smoothness is not None:
-        _validate.check_in_range("smoothness", smoothness, 0.0, math.inf, lo_open=True)
-        if float(learning_rate) > 2.0 / float(smoothness):
-            raise ValueError(
-                f"learning_rate must be <= 2/smoothness = {2.0 / float(smoothness):g} for the "
-                f"gradient step to be a contraction; got {float(learning_rate):g}."
-            )
+        _validate.check_learning_rate(learning_rate, smoothness)  # the library's one step-size rule
     noise_std = pnsgd_noise_std(noise_multiplier, clip_norm, batch_size)
     return optax.chain(
         add_gaussian_noise(noise_std, key),
-        optax.scale(-float(learning_rate)),
+        optax.scale(-jnp.asarray(learning_rate)),
         project_l2_ball(radius),
     )

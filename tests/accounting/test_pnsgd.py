@@ -8,7 +8,6 @@ shared/notes/seeds/000_contraction.md.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path

@@ -30,10 +30,10 @@ def test_poisson_batch_sizes_follow_binomial():
     observed = np.array([np.sum(sizes < lo)] + [np.sum(sizes == k) for k in edges[:-1]] + [np.sum(sizes > hi)])
     p = np.concatenate([[stats.binom.cdf(lo - 1, n, q)], stats.binom.pmf(edges[:-1], n, q),
                         [stats.binom.sf(hi, n, q)]])
-    keep = p * draws >= 5  # pool cells with expected counts below 5 into their neighbour
+    # Pool cells with expected counts below 5 into their neighbour.
     obs, exp = [], []
     acc_o = acc_e = 0.0
-    for o, e, k in zip(observed, p * draws, keep):
+    for o, e in zip(observed, p * draws):
         acc_o, acc_e = acc_o + o, acc_e + e
         if acc_e >= 5:
             obs.append(acc_o)

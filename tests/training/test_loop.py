@@ -275,7 +275,7 @@ def test_training_keeps_float64_params():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(learning_rate=4.0), "learning_rate must be < 2/smoothness"),
+        (dict(learning_rate=4.5), "learning_rate must be ≤ 2/\\(smoothness"),  # 2/beta = 4 is allowed
         (dict(learning_rate=0.0), "learning_rate"),
         (dict(noise_multiplier=0.0), "noise_multiplier"),
         (dict(radius=-1.0), "radius"),
