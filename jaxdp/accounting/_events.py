@@ -37,8 +37,13 @@ import numpy as np
 
 from .. import _validate
 from .._numerics import f64, float64
-from ._contraction import gaussian_hockey_stick, pnsgd_contraction_delta, step_contraction
-from ._contraction import stop_pnsgd_contraction_delta, stop_pnsgd_contraction_epsilon
+from ._contraction import (
+    gaussian_hockey_stick,
+    pnsgd_contraction_delta,
+    step_contraction,
+    stop_pnsgd_contraction_delta,
+    stop_pnsgd_contraction_epsilon,
+)
 from ._conversion import rdp_to_delta, rdp_to_epsilon
 from ._iteration import linear_rdp_delta, pnsgd_iteration_rdp, stop_pnsgd_iteration_rdp
 from ._pnsgd import pnsgd_privacy
