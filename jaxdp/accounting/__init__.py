@@ -36,6 +36,22 @@ from ._rdp import DEFAULT_ORDERS as DEFAULT_ORDERS
 from ._rdp import gaussian_rdp as gaussian_rdp
 from ._rdp import heterogeneous_rdp as heterogeneous_rdp
 from ._rdp import sampled_gaussian_rdp as sampled_gaussian_rdp
+from ._events import Event as Event
+from ._events import Gaussian as Gaussian
+from ._events import Laplace as Laplace
+from ._events import PoissonSampled as PoissonSampled
+from ._events import SelfComposed as SelfComposed
+from ._events import Composed as Composed
+from ._events import PNSGD as PNSGD
+from ._events import RELATIONS as RELATIONS
+from ._events import delta as delta
+from ._events import dpsgd_event as dpsgd_event
+from ._events import epsilon as epsilon
+from ._events import pnsgd_record_epsilon as pnsgd_record_epsilon
+from ._events import rdp as rdp
+from ._events import register_accountant as register_accountant
+from ._events import relation_of as relation_of
+from ._rdp import laplace_rdp as laplace_rdp
 
 __all__ = [
     "DEFAULT_ORDERS",
@@ -70,6 +86,22 @@ __all__ = [
     "stop_pnsgd_contraction_epsilon",
     "stop_pnsgd_iteration_rdp",
     "strongly_convex_iteration_rdp",
+    "Event",
+    "Gaussian",
+    "Laplace",
+    "PoissonSampled",
+    "SelfComposed",
+    "Composed",
+    "PNSGD",
+    "RELATIONS",
+    "delta",
+    "dpsgd_event",
+    "epsilon",
+    "pnsgd_record_epsilon",
+    "rdp",
+    "register_accountant",
+    "relation_of",
+    "laplace_rdp",
 ]
 
 # Classic mechanisms, composition theorems, subsampling and discrete divergences.
