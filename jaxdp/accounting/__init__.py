@@ -23,6 +23,21 @@ from ._dpsgd import CalibrationResult as CalibrationResult
 from ._dpsgd import calibrate_noise_multiplier as calibrate_noise_multiplier
 from ._dpsgd import dpsgd_epsilon as dpsgd_epsilon
 from ._dpsgd import schedule_epsilon as schedule_epsilon
+from ._events import PNSGD as PNSGD
+from ._events import RELATIONS as RELATIONS
+from ._events import Composed as Composed
+from ._events import Event as Event
+from ._events import Gaussian as Gaussian
+from ._events import Laplace as Laplace
+from ._events import PoissonSampled as PoissonSampled
+from ._events import SelfComposed as SelfComposed
+from ._events import delta as delta
+from ._events import dpsgd_event as dpsgd_event
+from ._events import epsilon as epsilon
+from ._events import pnsgd_record_epsilon as pnsgd_record_epsilon
+from ._events import rdp as rdp
+from ._events import register_accountant as register_accountant
+from ._events import relation_of as relation_of
 from ._iteration import linear_rdp_delta as linear_rdp_delta
 from ._iteration import linear_rdp_epsilon as linear_rdp_epsilon
 from ._iteration import pnsgd_iteration_rdp as pnsgd_iteration_rdp
@@ -35,23 +50,8 @@ from ._pnsgd import pnsgd_privacy as pnsgd_privacy
 from ._rdp import DEFAULT_ORDERS as DEFAULT_ORDERS
 from ._rdp import gaussian_rdp as gaussian_rdp
 from ._rdp import heterogeneous_rdp as heterogeneous_rdp
-from ._rdp import sampled_gaussian_rdp as sampled_gaussian_rdp
-from ._events import Event as Event
-from ._events import Gaussian as Gaussian
-from ._events import Laplace as Laplace
-from ._events import PoissonSampled as PoissonSampled
-from ._events import SelfComposed as SelfComposed
-from ._events import Composed as Composed
-from ._events import PNSGD as PNSGD
-from ._events import RELATIONS as RELATIONS
-from ._events import delta as delta
-from ._events import dpsgd_event as dpsgd_event
-from ._events import epsilon as epsilon
-from ._events import pnsgd_record_epsilon as pnsgd_record_epsilon
-from ._events import rdp as rdp
-from ._events import register_accountant as register_accountant
-from ._events import relation_of as relation_of
 from ._rdp import laplace_rdp as laplace_rdp
+from ._rdp import sampled_gaussian_rdp as sampled_gaussian_rdp
 
 __all__ = [
     "DEFAULT_ORDERS",

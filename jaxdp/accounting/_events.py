@@ -113,14 +113,14 @@ def _p_linear_rdp_delta(eps, coefficient):
 
 
 def _p_pnsgd_privacy(ev: PNSGD, target_delta, positions=None):
-    # keywords: pnsgd_privacy is keyword-only (lr -> learning_rate, steps -> num_records).
+    # pnsgd_privacy is keyword-only.
     return pnsgd_privacy(
         lipschitz=ev.lipschitz,
         smoothness=ev.smoothness,
-        lr=ev.learning_rate,
+        learning_rate=ev.learning_rate,
         noise_std=ev.noise_std,
         diameter=ev.diameter,
-        steps=ev.num_records,
+        num_records=ev.num_records,
         delta=target_delta,
         strong_convexity=ev.strong_convexity,
         batch_size=ev.batch_size,
@@ -130,14 +130,14 @@ def _p_pnsgd_privacy(ev: PNSGD, target_delta, positions=None):
 
 
 def _p_pnsgd_iteration_rdp(orders, position, ev: PNSGD):
-    # keywords: batch_size, passes.
+    # keyword arguments: batch_size, passes.
     return pnsgd_iteration_rdp(
         orders, position, ev.num_records, ev.lipschitz, ev.noise_std, batch_size=ev.batch_size, passes=ev.passes
     )
 
 
 def _p_pnsgd_contraction_delta(eps, position, ev: PNSGD, contraction):
-    # keywords: batch_size, passes.
+    # keyword arguments: batch_size, passes.
     return pnsgd_contraction_delta(
         eps, position, ev.num_records, ev.lipschitz, ev.noise_std, ev.learning_rate, ev.diameter, contraction,
         batch_size=ev.batch_size, passes=ev.passes,
@@ -145,24 +145,24 @@ def _p_pnsgd_contraction_delta(eps, position, ev: PNSGD, contraction):
 
 
 def _p_stop_pnsgd_iteration_rdp(orders, position, ev: PNSGD):
-    # keywords: position (-> positions), form.
-    return stop_pnsgd_iteration_rdp(orders, ev.num_records, ev.lipschitz, ev.noise_std, position=position,
+    # keyword arguments: positions, form.
+    return stop_pnsgd_iteration_rdp(orders, ev.num_records, ev.lipschitz, ev.noise_std, positions=position,
                                     form="logmeanexp")
 
 
 def _p_stop_pnsgd_contraction_epsilon(target_delta, position, ev: PNSGD, contraction):
-    # keywords: position (-> positions).
+    # keyword argument: positions.
     return stop_pnsgd_contraction_epsilon(
         target_delta, ev.num_records, ev.lipschitz, ev.noise_std, ev.learning_rate, ev.diameter, contraction,
-        position=position,
+        positions=position,
     )
 
 
 def _p_stop_pnsgd_contraction_delta(eps, position, ev: PNSGD, contraction):
-    # keywords: position (-> positions).
+    # keyword argument: positions.
     return stop_pnsgd_contraction_delta(
         eps, ev.num_records, ev.lipschitz, ev.noise_std, ev.learning_rate, ev.diameter, contraction,
-        position=position,
+        positions=position,
     )
 
 

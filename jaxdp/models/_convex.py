@@ -5,7 +5,8 @@ hold: the per-example loss is convex in the parameters, and with features bounde
 :math:`\lVert x\rVert \le X` it is :math:`L`-Lipschitz and :math:`\beta`-smooth with the
 constants returned by :func:`logistic_loss_constants` and :func:`softmax_loss_constants`.
 Setting the clip norm :math:`C \ge L` makes clipping inactive, so each PNSGD step is a
-gradient step on the convex, smooth loss itself (pitfall 3 of the PABI notes).
+gradient step on the convex, smooth loss itself (a clipped gradient is in general not
+the gradient of a convex function, and the analyses need one).
 
 Parameters are initialised at zero: a data-independent start inside every ball
 :math:`\{\lVert\theta\rVert \le R\}`, as the analyses require.

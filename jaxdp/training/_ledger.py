@@ -13,8 +13,9 @@ Which guarantee is reported:
   amplification-by-iteration (Feldman et al. Thm 23), strongly convex and composition
   bounds of :func:`jaxdp.accounting.pnsgd_privacy`. It needs a convex,
   :math:`L`-Lipschitz, :math:`\beta`-smooth loss, :math:`\eta \le 2/(\beta+\rho)`, clipping that
-  never acts (so each update is a gradient step on that loss; pitfall 3 of the PABI
-  notes), and only the final iterate released.
+  never acts (so each update is a gradient step on that loss: a clipped gradient of a
+  convex loss is not the gradient of a convex function), and only the final iterate
+  released.
 * ``"random-stop"``: one pass stopped after :math:`T \sim \mathrm{Uniform}\{1..m\}`
   steps (:math:`m` batches), released :math:`Y_T` only: the smallest of Theorem 5 of
   Asoodeh et al. (exact sum, per position), Theorem 26 of Feldman et al. (Stop-PNSGD)
@@ -132,7 +133,7 @@ def _clipping_reason(ledger: PrivacyLedger) -> str | None:
         return (
             f"{ledger.clipped} per-example gradient(s) exceeded the clip norm C={ledger.clip_norm:g} "
             f"(largest norm {ledger.max_grad_norm:.6g}): a clipped gradient is not the gradient of the "
-            "convex loss, so the update is not known to be a contraction (PABI notes, pitfall 3)"
+            "convex loss, so the update is not known to be a contraction"
         )
     return None
 

@@ -266,12 +266,12 @@ def pnsgd(learning_rate, noise_multiplier, clip_norm, radius, key, batch_size: i
     parametrised instead by the *absolute* standard deviation :math:`\sigma` of the noise
     on the averaged gradient (their argument ``noise_std``) and the Lipschitz constant
     :math:`L`, with sensitivity
-    :math:`2L/b` (PABI notes: ":math:`\sigma` is the std of the noise added to the
-    gradient; the noise std in parameter space is :math:`\eta\sigma`"). So call
+    :math:`2L/b` (Feldman et al., Algorithm 1: :math:`\sigma` is the std of the noise added
+    to the gradient, so the noise std in parameter space is :math:`\eta\sigma`). So call
     ``jaxdp.accounting.pnsgd_privacy(lipschitz=C, noise_std=pnsgd_noise_std(ν, C, b),
-    batch_size=b, lr=η, diameter=2R, ...)``; conversely a :math:`\sigma` from
+    batch_size=b, learning_rate=η, diameter=2R, ...)``; conversely a :math:`\sigma` from
     ``calibrate_pnsgd_noise_std`` gives :math:`\nu = \sigma b / (2C)`. At :math:`b = 1` the
-    per-index bound of the notes becomes
+    per-index bound of Theorem 23 becomes
 
     .. math::
 
@@ -287,7 +287,7 @@ def pnsgd(learning_rate, noise_multiplier, clip_norm, radius, key, batch_size: i
     Assumptions for the amplified guarantees (not checked here, except the step size when
     ``smoothness`` is given): the per-example loss is convex and :math:`\beta`-smooth on
     :math:`K` and clipping is inactive (clipped gradients of general models are not
-    gradients of a convex function; pitfall 3), :math:`\eta \le 2/\beta`, the start
+    gradients of a convex function), :math:`\eta \le 2/\beta`, the start
     point is data-independent and in :math:`K`, and only the final iterate is released.
 
     Args:

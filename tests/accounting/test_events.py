@@ -120,7 +120,7 @@ PNSGD_RUN = dict(lipschitz=1.0, smoothness=0.5, learning_rate=0.5, noise_std=2.0
 
 
 def _privacy(**kw):
-    return A.pnsgd_privacy(lipschitz=1.0, smoothness=0.5, lr=0.5, noise_std=2.0, diameter=1.0, steps=40,
+    return A.pnsgd_privacy(lipschitz=1.0, smoothness=0.5, learning_rate=0.5, noise_std=2.0, diameter=1.0, num_records=40,
                            delta=DELTA, **kw)
 
 
@@ -135,8 +135,8 @@ def test_pnsgd_event_equals_primitives():
     # Random stop: the better of Theorem 5 (contraction) and Theorem 26 (RDP), worst record i = 1.
     stop = A.PNSGD(**PNSGD_RUN, num_records=40, schedule="random_stop")
     m_c = A.step_contraction(0.5, 0.5)
-    e_c = float(A.stop_pnsgd_contraction_epsilon(1e-3, 40, 1.0, 2.0, 0.5, 1.0, m_c, position=1))
-    rdp_s = A.stop_pnsgd_iteration_rdp(A.DEFAULT_ORDERS, 40, 1.0, 2.0, position=1, form="logmeanexp")
+    e_c = float(A.stop_pnsgd_contraction_epsilon(1e-3, 40, 1.0, 2.0, 0.5, 1.0, m_c, positions=1))
+    rdp_s = A.stop_pnsgd_iteration_rdp(A.DEFAULT_ORDERS, 40, 1.0, 2.0, positions=1, form="logmeanexp")
     e_r = float(A.rdp_to_epsilon(rdp_s, A.DEFAULT_ORDERS, 1e-3).epsilon)
     assert float(A.epsilon(stop, 1e-3)) == pytest.approx(min(e_c, e_r), rel=CONSISTENCY_RTOL)
     per = np.asarray(A.pnsgd_record_epsilon(stop, 1e-3))
@@ -193,8 +193,8 @@ def test_batch_vmap_and_loop_agree():
 def test_pnsgd_batch_vmap_and_loop_agree():
     sig = np.array([1.5, 4.0])
     batch = A.PNSGD(1.0, 0.5, 0.5, sig, 1.0, num_records=20)
-    loop = np.array([float(A.pnsgd_privacy(lipschitz=1.0, smoothness=0.5, lr=0.5, noise_std=s, diameter=1.0,
-                                           steps=20, delta=DELTA, positions=np.array([20.0])).best[0])
+    loop = np.array([float(A.pnsgd_privacy(lipschitz=1.0, smoothness=0.5, learning_rate=0.5, noise_std=s, diameter=1.0,
+                                           num_records=20, delta=DELTA, positions=np.array([20.0])).best[0])
                      for s in sig])
     # A batched PNSGD event is evaluated by jax.vmap over its flattened leaves inside
     # epsilon (pnsgd_privacy takes scalar runs), so this is the vmap path; an outer

@@ -1,0 +1,97 @@
+"""First-call (trace + compile + run) and steady-state times of every public accountant.
+
+Compile time is the other cost a JAX user feels. Each case runs in a fresh Python process
+(so nothing is cached, and JAX's persistent cache is off), and reports the first call and
+the best of three later calls. Target: every first call under 3 s on the 2-core CPU.
+
+    python benchmarks/compile_times.py            # all cases, a table
+    python benchmarks/compile_times.py --only calibrate_noise_multiplier
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+# name -> Python expression evaluated with `A` = jaxdp.accounting, `jnp`, `jax`, `np` (one call).
+CASES = {
+    "sampled_gaussian_rdp": "A.sampled_gaussian_rdp(A.DEFAULT_ORDERS, 0.01, 1.1)",
+    "dpsgd_epsilon": "A.dpsgd_epsilon(0.01, 1.1, 1000, 1e-5)",
+    "dpsgd_epsilon (grid 20x10x10)": ("A.dpsgd_epsilon(np.geomspace(1e-4, 0.1, 20)[:, None, None], "
+                                      "np.linspace(0.5, 5, 10)[:, None], np.geomspace(10, 1e5, 10), 1e-5)"),
+    "schedule_epsilon": "A.schedule_epsilon([0.01, 0.02], [1.1, 1.3], [500, 500], 1e-5)",
+    "rdp_to_epsilon": "A.rdp_to_epsilon(A.gaussian_rdp(A.DEFAULT_ORDERS, 2.0), A.DEFAULT_ORDERS, 1e-5).epsilon",
+    "calibrate_noise_multiplier": "A.calibrate_noise_multiplier(1.0, 0.01, 1000, 1e-5).noise_multiplier",
+    "calibrate_noise_multiplier in the user's jit": (
+        "jax.jit(lambda e: A.calibrate_noise_multiplier(e, 0.01, 1000, 1e-5).noise_multiplier)(1.0)"),
+    "calibrate_noise_multiplier, vmap over 1000 targets": (
+        "jax.vmap(lambda e: A.calibrate_noise_multiplier(e, 0.01, 1000, 1e-5).noise_multiplier)"
+        "(jnp.linspace(0.5, 8, 1000))"),
+    "gaussian_hockey_stick": "A.gaussian_hockey_stick(1.0, 0.5)",
+    "pnsgd_privacy (n=1408)": ("A.pnsgd_privacy(lipschitz=2., smoothness=1., learning_rate=1., noise_std=1/16, "
+                               "diameter=60., num_records=1408, delta=1e-5, batch_size=64, passes=10).best"),
+    "calibrate_pnsgd_noise_std": ("A.calibrate_pnsgd_noise_std(2.0, 1e-5, lipschitz=1., smoothness=1., "
+                                  "learning_rate=0.5, diameter=2., num_records=100)"),
+    "stop_pnsgd_contraction_epsilon": "A.stop_pnsgd_contraction_epsilon(1e-5, 10, 1., 1., 1., 80., 1., positions=10)",
+    "epsilon(dpsgd_event)": "A.epsilon(A.dpsgd_event(0.01, 1.1, 1000), 1e-5)",
+    "epsilon(Composed event)": ("A.epsilon(A.Composed((A.dpsgd_event(0.01, 1.1, 1000), "
+                                "A.SelfComposed(A.Gaussian(5.0), 10))), 1e-5)"),
+    "gaussian_mechanism_epsilon": "A.gaussian_mechanism_epsilon(1e-5, 2.0)",
+    "calibrate_gaussian_noise_multiplier": "A.calibrate_gaussian_noise_multiplier(1.0, 1e-5)",
+}
+
+_CHILD = r"""
+import os, sys, time, json
+os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+t0 = time.perf_counter()
+import jax, jax.numpy as jnp, numpy as np
+import jaxdp.accounting as A
+t_import = time.perf_counter() - t0
+expr = sys.argv[1]
+def run():
+    out = eval(expr)
+    jax.block_until_ready(out)
+    return out
+t = time.perf_counter(); run(); first = time.perf_counter() - t
+later = []
+for _ in range(3):
+    t = time.perf_counter(); run(); later.append(time.perf_counter() - t)
+print(json.dumps({"import": t_import, "first": first, "steady": min(later)}))
+"""
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", default=None, help="run only the case with this name")
+    args = p.parse_args(argv)
+    cases = {k: v for k, v in CASES.items() if args.only in (None, k)}
+    if not cases:
+        p.error(f"--only: no case named {args.only!r}")
+    import platform
+
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
+          f"{platform.python_version()}")
+    print(f"{'case':<52} {'first call':>11} {'later call':>11}")
+    worst = 0.0
+    for name, expr in cases.items():
+        proc = subprocess.run([sys.executable, "-c", _CHILD, expr], capture_output=True, text=True,
+                              env={**os.environ, "JAXDP_CACHE_DIR": "off"})
+        if proc.returncode != 0:
+            print(f"{name:<52} failed: {proc.stderr.strip().splitlines()[-1]}")
+            continue
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        worst = max(worst, r["first"])
+        print(f"{name:<52} {r['first']:>10.2f}s {1e3 * r['steady']:>9.2f}ms")
+    print(f"slowest first call: {worst:.2f} s (target < 3 s)")
+    return 0
+
+
+if __name__ == "__main__":
+    t0 = time.perf_counter()
+    rc = main()
+    print(f"({time.perf_counter() - t0:.0f} s in all)")
+    sys.exit(rc)
