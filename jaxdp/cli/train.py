@@ -39,6 +39,10 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--dataset", choices=_DATASETS, default="digits", help="data set (default: digits, bundled)")
     p.add_argument("--data-path", default=None, help="MNIST/Fashion-MNIST .npz file or IDX directory (never downloaded)")
+    p.add_argument("--algorithm", choices=("pnsgd", "dpsgd"), default="pnsgd",
+                   help="pnsgd (default: projected noisy SGD, per-record hidden-state epsilon for convex models) or "
+                        "dpsgd (Poisson-sampled DP-SGD for any model; --batch-size is the expected batch size and "
+                        "--noise-multiplier is relative to C, as in Opacus)")
     p.add_argument("--model", choices=_MODELS, default="softmax",
                    help="softmax (default), logistic (odd vs even digit) or mlp (one hidden layer of 128)")
     p.add_argument("--passes", type=int, default=None,
@@ -164,14 +168,17 @@ def run(args) -> int:
             _check_writable(args.plot)
         ds = _load(args)
         model, ds = _model(args, ds)
-        clip = args.clip_norm if args.clip_norm is not None else (1.0 if args.model == "mlp" else None)
+        clip = args.clip_norm
+        if clip is None and (args.model == "mlp" or args.algorithm == "dpsgd"):
+            clip = 1.0
         from ..training import train
 
         start = time.perf_counter()
         with warnings.catch_warnings():  # the command prints its own NOT PRIVATE line
             warnings.filterwarnings("ignore", message="noise_seed is fixed", category=UserWarning)
             res = train(
-                model, ds, learning_rate=args.learning_rate, noise_multiplier=args.noise_multiplier, radius=args.radius,
+                model, ds, algorithm=args.algorithm, learning_rate=args.learning_rate,
+                noise_multiplier=args.noise_multiplier, radius=None if args.algorithm == "dpsgd" else args.radius,
                 batch_size=args.batch_size, passes=passes, delta=args.delta, order_seed=args.order_seed,
                 noise_seed=args.insecure_noise_seed, clip_norm=clip,
                 schedule=args.schedule.replace("-", "_"), checkpoint_dir=args.checkpoint_dir, resume=args.resume,
@@ -182,55 +189,82 @@ def run(args) -> int:
         return error(_cli_message(str(err)))
 
     rep, led = res.privacy, res.state.ledger
-    summaries = {name: rep.summary(v) for name, v in rep.by_analysis.items()}
-    amp = rep.summary(rep.amplified) if rep.amplified is not None else None
-    comp = rep.summary(rep.composition)
+    worst = rep.summary()["worst"]
     plot = None if str(args.plot).lower() == "none" else args.plot
-    title = (f"PNSGD, {args.model} on {ds.name}: {led.passes} pass(es), b={led.batch_size}, eta={led.learning_rate:g}, "
-             f"nu={led.noise_multiplier:g}; accuracy {res.test_accuracy:.3f}")
     payload = {
-        "private": not led.fixed_noise_seed, "dataset": ds.name, "model": args.model,
-        "test_accuracy": res.test_accuracy, "analysis": rep.analysis,
-        "reason": rep.reason, "delta": rep.delta, "epsilon": rep.summary(), "amplified": amp, "composition": comp,
-        "by_analysis": summaries, "ledger": led.to_json(), "train_seconds": res.seconds, "total_seconds": total,
-        "plot": plot,
+        "private": not led.fixed_noise_seed, "epsilon_worst": worst, "delta": rep.delta, "analysis": rep.analysis,
+        "reason": rep.reason, "dataset": ds.name, "model": args.model, "algorithm": args.algorithm,
+        "test_accuracy": res.test_accuracy, "epsilon": rep.summary(), "ledger": led.to_json(),
+        "train_seconds": res.seconds, "total_seconds": total,
     }
-    if led.schedule == "random_stop":
-        payload["ledger"].pop("total_steps")  # the stopping time stays secret
-        payload["ledger"].pop("steps_done")
+    if args.algorithm == "dpsgd":
+        plot = None  # epsilon is the same for every record: nothing to plot
+        lines = _dpsgd_lines(ds, args, res, rep, led, total)
+    else:
+        payload["by_analysis"] = {name: rep.summary(v) for name, v in rep.by_analysis.items()}
+        payload["amplified"] = rep.summary(rep.amplified) if rep.amplified is not None else None
+        payload["composition"] = rep.summary(rep.composition)
+        if led.schedule == "random_stop":
+            payload["ledger"].pop("total_steps")  # the stopping time stays secret
+            payload["ledger"].pop("steps_done")
+        lines = _pnsgd_lines(ds, args, res, rep, led, total)
+    payload["plot"] = plot
+    title = (f"PNSGD, {args.model} on {ds.name}: {led.passes} pass(es), b={led.batch_size}, "
+             f"eta={led.learning_rate:g}, nu={led.noise_multiplier:g}; accuracy {res.test_accuracy:.3f}")
     if args.json:
         print(json.dumps(payload, allow_nan=True))
         return _write_plot(plot, rep, title)
+    head = [_NOT_PRIVATE] if led.fixed_noise_seed else []
+    head.append(f"guarantee of the released model: epsilon = {_f(worst)} at delta = {rep.delta:g} for every record "
+                f"(worst case), by {rep.analysis}")
+    print("\n".join(head + lines))  # the results first: a failed plot must not lose them
+    status = _write_plot(plot, rep, title)
+    if plot and status == 0:
+        print(f"wrote {plot}")
+    return status
 
-    def f(x):
-        return "inf" if math.isinf(x) else f"{x:.3g}"
 
+def _f(x: float) -> str:
+    return "inf" if math.isinf(x) else f"{x:.3g}"
+
+
+def _dpsgd_lines(ds, args, res, rep, led, total) -> list[str]:
+    return [
+        f"  assumptions: {rep.reason}",
+        (f"DP-SGD on {ds.name} ({len(ds.x_train)} train / {len(ds.x_test)} test), {args.model} model, {led.passes} "
+         f"pass(es) = {led.total_steps} steps of expected batch {led.batch_size} (q = {led.q:.4g})"),
+        (f"  learning rate={led.learning_rate}, noise multiplier={led.noise_multiplier:g} (relative to C, as in "
+         f"Opacus), C={led.clip_norm:.4g}, delta={led.delta:g}"),
+        f"test accuracy: {100 * res.test_accuracy:.1f} %   (training {res.seconds:.1f} s, total {total:.1f} s)",
+    ]
+
+
+def _pnsgd_lines(ds, args, res, rep, led, total) -> list[str]:
+    amp = rep.summary(rep.amplified) if rep.amplified is not None else None
+    comp = rep.summary(rep.composition)
     runs = ("one pass stopped at a secret uniform step" if led.schedule == "random_stop"
             else f"{led.passes} pass(es) of {led.steps_per_pass} batches of {led.batch_size}")
-    lines = [_NOT_PRIVATE] if led.fixed_noise_seed else []
-    lines += [
+    lines = [
+        f"  assumptions: {rep.reason}",
         (f"PNSGD on {ds.name} ({len(ds.x_train)} train / {len(ds.x_test)} test), {args.model} model, {runs}"
          + (f" ({led.unused} records unused)" if led.unused else "")),
         (f"  eta={led.learning_rate:g}, noise multiplier={led.noise_multiplier:g} (sigma={led.noise_std:.4g} on the "
-         f"averaged gradient), C={led.clip_norm:.4g}, R={led.diameter / 2:g}, delta={led.delta:g}, order seed={led.order_seed}"),
+         f"averaged gradient), C={led.clip_norm:.4g}, R={led.diameter / 2:g}, delta={led.delta:g}, "
+         f"order seed={led.order_seed}"),
         f"test accuracy: {100 * res.test_accuracy:.1f} %   (training {res.seconds:.1f} s, total {total:.1f} s)",
         f"epsilon per record position (best / median / worst over {rep.positions.size} positions):",
     ]
     if amp is not None:
         label = "random stopping" if led.schedule == "random_stop" else "amplification by iteration"
-        lines.append(f"  {label + ' (hidden iterates):':<44} {f(amp['best'])} / {f(amp['median'])} / {f(amp['worst'])}")
+        lines.append(f"  {label + ' (hidden iterates):':<44} {_f(amp['best'])} / {_f(amp['median'])} / "
+                     f"{_f(amp['worst'])}")
     else:
-        lines.append(f"  {'amplification by iteration:':<44} not valid here (see reason)")
-    lines.append(f"  {'composition (every iterate released):':<44} {f(comp['best'])} / {f(comp['median'])} / "
-                 f"{f(comp['worst'])}")
-    lines.append(f"reported guarantee: {rep.analysis}; {rep.reason}")
+        lines.append(f"  {'amplification by iteration:':<44} not valid here (see the assumptions)")
+    lines.append(f"  {'composition (every iterate released):':<44} {_f(comp['best'])} / {_f(comp['median'])} / "
+                 f"{_f(comp['worst'])}")
     lines.append("")
     lines.append(rep.table())
-    print("\n".join(lines))  # the results first: a failed plot must not lose them
-    status = _write_plot(plot, rep, title)
-    if plot and status == 0:
-        print(f"wrote {plot}")
-    return status
+    return lines
 
 
 def _write_plot(plot, rep, title) -> int:

@@ -47,6 +47,7 @@ __all__ = [
 
 from ._checkpoint import Checkpointer as Checkpointer
 from ._checkpoint import latest_checkpoint_step as latest_checkpoint_step
+from ._ledger import DPSGDLedger as DPSGDLedger
 from ._ledger import PrivacyLedger as PrivacyLedger
 from ._ledger import PrivacyReport as PrivacyReport
 from ._ledger import privacy_report as privacy_report
@@ -57,6 +58,7 @@ from ._loop import train as train
 
 __all__ += [
     "Checkpointer",
+    "DPSGDLedger",
     "PrivacyLedger",
     "PrivacyReport",
     "TrainResult",

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["PrivacyLedger", "PrivacyReport", "privacy_report"]
+__all__ = ["DPSGDLedger", "PrivacyLedger", "PrivacyReport", "privacy_report"]
 
 _HIDDEN = "hidden-state"
 _STOP = "random-stop"
@@ -292,8 +292,11 @@ def _stop_epsilons(ledger: PrivacyLedger) -> dict[str, np.ndarray]:
     return {"random-stop (Thm 5)": thm5[record_batch], "random-stop (Thm 26)": thm26[record_batch]}
 
 
-def privacy_report(ledger: PrivacyLedger) -> PrivacyReport:
+def privacy_report(ledger: PrivacyLedger | DPSGDLedger) -> PrivacyReport:
     r"""ε per record position for the steps recorded in ``ledger``.
+
+    A :class:`DPSGDLedger` gives DP-SGD's guarantee, the same for every record:
+    ``dpsgd_epsilon(q, noise_multiplier, steps_done, delta)``. For a PNSGD ledger:
 
     With :math:`s` steps done, :math:`m` steps per pass, :math:`s = pm + t`:
 
@@ -330,6 +333,8 @@ def privacy_report(ledger: PrivacyLedger) -> PrivacyReport:
       >>> bool(rep.epsilon[0] < rep.epsilon[-1] <= rep.composition[-1])
       True
     """
+    if isinstance(ledger, DPSGDLedger):
+        return _dpsgd_report(ledger)
     return _report(ledger)._replace(not_private=bool(ledger.fixed_noise_seed))
 
 
@@ -382,3 +387,82 @@ def _report(ledger: PrivacyLedger) -> PrivacyReport:
     reason = ledger.reason if exact else "mid-pass after the first pass; " + ledger.reason
     return PrivacyReport(analysis, reason, ledger.delta, s, positions, eps, comp, amp if exact else None, by,
                          ledger.unused, exact)
+
+
+# ----------------------------------------------------------------------------------------
+# DP-SGD runs
+# ----------------------------------------------------------------------------------------
+
+_DPSGD = "dpsgd"
+
+
+class DPSGDLedger(NamedTuple):
+    r"""What a DP-SGD run has spent, in the accountant's terms (JSON-serialisable).
+
+    The guarantee is the Poisson-subsampled Gaussian mechanism composed over the steps done
+    (:func:`jaxdp.accounting.dpsgd_epsilon` with ``(q, noise_multiplier, steps_done)``),
+    add/remove neighbours, every intermediate model possibly released; it is the same for
+    every record.
+
+    Attributes:
+      analysis: ``"dpsgd"``.
+      reason: the assumptions, for the report.
+      q: Poisson sampling rate (``batch_size / records``).
+      noise_multiplier: :math:`\nu`, noise std over the clip norm :math:`C` on the clipped
+        sum (as in Opacus and dp_accounting).
+      clip_norm: :math:`C`.
+      learning_rate: the SGD learning rate, or ``None`` with a user's optax optimizer.
+      batch_size: the expected batch size :math:`qN`.
+      records: :math:`N`.
+      passes: planned passes (:math:`T = \mathrm{passes}\cdot\lceil N/b\rceil` steps).
+      steps_per_pass: :math:`\lceil N/b\rceil`.
+      total_steps: :math:`T`.
+      steps_done: steps done so far.
+      capacity: static padded batch size (speed only; overflow runs a second chunk).
+      delta: target :math:`\delta`.
+      order_seed: unused by DP-SGD's sampling (kept for the model's public initialisation).
+      fixed_noise_seed: ``True`` when the noise and the sampling came from a fixed seed
+        (then **not private**).
+      max_grad_norm: the largest unclipped per-example gradient norm seen so far.
+    """
+
+    analysis: str
+    reason: str
+    q: float
+    noise_multiplier: float
+    clip_norm: float
+    learning_rate: float | None
+    batch_size: int
+    records: int
+    passes: int
+    steps_per_pass: int
+    total_steps: int
+    steps_done: int
+    capacity: int
+    delta: float
+    order_seed: int
+    fixed_noise_seed: bool
+    max_grad_norm: float
+
+    unused = 0  # every record can be sampled
+
+    def to_json(self) -> dict[str, Any]:
+        """The ledger as a JSON-ready dict."""
+        return dict(self._asdict())
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> DPSGDLedger:
+        """Inverse of :meth:`to_json`."""
+        return cls(**{k: data[k] for k in cls._fields})
+
+
+def _dpsgd_report(ledger: DPSGDLedger) -> PrivacyReport:
+    from ..accounting import dpsgd_epsilon
+
+    n = ledger.records
+    positions = np.arange(1, n + 1)
+    eps = float(dpsgd_epsilon(ledger.q, ledger.noise_multiplier, ledger.steps_done, ledger.delta)) \
+        if ledger.steps_done > 0 else 0.0
+    values = np.full(n, eps)
+    return PrivacyReport(_DPSGD, ledger.reason, ledger.delta, ledger.steps_done, positions, values, values, None,
+                         {"dpsgd (sampled Gaussian RDP)": values}, 0, True, bool(ledger.fixed_noise_seed))

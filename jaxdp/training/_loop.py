@@ -49,6 +49,7 @@ from ._transforms import _check_batch_size, pnsgd, pnsgd_noise_std
 __all__ = ["TrainResult", "TrainState", "accuracy", "train"]
 
 _SCHEDULES = ("fixed", "random_stop")
+_ALGORITHMS = ("pnsgd", "dpsgd")
 _FORMAT = 2  # 2: order_seed and a secret noise key replace the single seed
 
 
@@ -62,10 +63,14 @@ class TrainState(NamedTuple):
       step: steps done, ``int32`` scalar.
       order: the processing order, ``int32`` of shape ``(n_total,)``: position ``p``
         (1-based) is record ``order[p - 1]``; records past ``ledger.records`` are unused.
+        DP-SGD has no order (a placeholder of shape ``(1,)``).
       total_steps: steps the run does (``passes·m``, or the secret stopping time).
       max_grad_norm: largest unclipped per-example gradient norm seen, float32 scalar.
       clipped: number of per-example gradients with norm above :math:`C`, ``int32``.
-      ledger: the :class:`~jaxdp.training.PrivacyLedger` (host-side Python values).
+      ledger: the :class:`~jaxdp.training.PrivacyLedger` (host-side Python values), or a
+        :class:`~jaxdp.training.DPSGDLedger` for DP-SGD.
+      sample_key: DP-SGD's secret key of the Poisson sampling (split every step);
+        ``None`` for PNSGD, whose order is public.
     """
 
     params: Any
@@ -75,7 +80,8 @@ class TrainState(NamedTuple):
     total_steps: jax.Array
     max_grad_norm: jax.Array
     clipped: jax.Array
-    ledger: PrivacyLedger
+    ledger: Any
+    sample_key: Any = None
 
 
 class TrainResult(NamedTuple):
@@ -246,7 +252,7 @@ def _secret_key(noise_seed: int | None) -> jax.Array:
 
 def _arrays_part(state: TrainState):
     return (state.params, state.opt_state, state.step, state.order, state.total_steps,
-            state.max_grad_norm, state.clipped)
+            state.max_grad_norm, state.clipped, state.sample_key)
 
 
 def _is_key(x) -> bool:
@@ -268,8 +274,8 @@ def _from_arrays(arrays: dict[str, np.ndarray], like: TrainState, ledger: Privac
             new.append(jax.random.wrap_key_data(jnp.asarray(a), impl=jax.random.key_impl(ref)))
         else:
             new.append(jnp.asarray(a, dtype=ref.dtype))
-    parts = jax.tree.unflatten(treedef, new)
-    return TrainState(*parts, ledger=ledger)
+    *parts, sample_key = jax.tree.unflatten(treedef, new)
+    return TrainState(*parts, ledger=ledger, sample_key=sample_key)
 
 
 def _like_arrays(state: TrainState) -> dict[str, np.ndarray]:
@@ -312,9 +318,11 @@ def train(
     model: nnx.Module,
     data,
     *,
-    learning_rate: float,
+    algorithm: str = "pnsgd",
+    learning_rate: float | None = None,
     noise_multiplier: float,
-    radius: float,
+    radius: float | None = None,
+    optimizer: optax.GradientTransformation | None = None,
     batch_size: int = 64,
     passes: int = 1,
     schedule: str = "fixed",
@@ -338,7 +346,15 @@ def train(
     callback: Callable[[TrainState], None] | None = None,
     use_fast_path: bool | None = None,
 ) -> TrainResult:
-    r"""Train ``model`` with projected noisy SGD (PNSGD) and account ε per record position.
+    r"""Train ``model`` privately, by PNSGD (hidden-state, per-record ε) or DP-SGD, and account ε.
+
+    ``algorithm="dpsgd"``: DP-SGD with true Poisson sampling (rate :math:`q = b/N`, with
+    ``batch_size`` the expected batch size :math:`b`), per-example clipping at ``clip_norm``,
+    noise :math:`\mathcal N(0, \nu^2C^2)` on the clipped sum (``noise_multiplier`` relative to
+    :math:`C`, as in Opacus) and ``optimizer`` (default ``optax.sgd(learning_rate)``), for
+    ``passes``·:math:`\lceil N/b\rceil` steps; any model; ε is
+    ``dpsgd_epsilon(q, ν, steps, δ)`` for every record (:class:`~jaxdp.training.DPSGDLedger`).
+    The rest of this docstring describes ``algorithm="pnsgd"`` (the default).
 
     **Update.** For :math:`t = 0, 1, \dots`, with batch :math:`B_t` (consecutive blocks of
     :math:`b` positions of a fixed order), per-example gradients clipped at :math:`C`,
@@ -385,6 +401,9 @@ def train(
 
     Args:
       model: Flax NNX module whose ``nnx.Param`` variables are trained (not modified).
+      algorithm: ``"pnsgd"`` (default) or ``"dpsgd"``.
+      optimizer: DP-SGD only: any optax optimizer applied to the noisy averaged gradient
+        (post-processing); default ``optax.sgd(learning_rate)``.
       data: :class:`jaxdp.data.Dataset` (its ``feature_norm_bound`` gives the convex
         models' constants; its test part gives ``test_accuracy``) or a pair ``(x, y)``
         (then pass ``lipschitz``/``smoothness`` for a convex guarantee).
@@ -453,9 +472,15 @@ def train(
     # ---------------- validation (nothing is written before it passes) ----------------
     if not isinstance(model, nnx.Module):
         raise ValueError(f"model must be a Flax NNX module; got {type(model).__name__}.")
-    _validate.check_in_range("learning_rate", learning_rate, 0.0, math.inf, lo_open=True)
+    _validate.check_static_choice("algorithm", algorithm, _ALGORITHMS)
+    if algorithm == "pnsgd":
+        if learning_rate is None or radius is None:
+            raise ValueError("learning_rate and radius are required with algorithm='pnsgd'.")
+        if optimizer is not None:
+            raise ValueError("optimizer is for algorithm='dpsgd'; PNSGD's update is the analysed plain step.")
+        _validate.check_in_range("learning_rate", learning_rate, 0.0, math.inf, lo_open=True)
+        _validate.check_in_range("radius", radius, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True)
-    _validate.check_in_range("radius", radius, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("delta", delta, 0.0, 1.0, lo_open=True, hi_open=True)
     _validate.check_in_range("strong_convexity", strong_convexity, 0.0, math.inf)
     _check_batch_size(batch_size)
@@ -484,6 +509,18 @@ def train(
         raise ValueError(f"y must have shape ({x.shape[0]},), one label per example; got {y.shape}.")
 
     loss_fn, constants = _default_loss_and_constants(model, loss_fn, x_bound)
+    if algorithm == "dpsgd":
+        from ._dpsgd_loop import train_dpsgd
+
+        if schedule != "fixed" or return_intermediates:
+            raise ValueError("algorithm='dpsgd' samples every step (no schedule) and its guarantee already covers "
+                             "every iterate: leave schedule and return_intermediates at their defaults.")
+        return train_dpsgd(
+            model, x, y, x_test, y_test, loss_fn=loss_fn, learning_rate=learning_rate, optimizer=optimizer,
+            noise_multiplier=noise_multiplier, clip_norm=clip_norm, batch_size=batch_size, passes=passes,
+            delta=delta, order_seed=order_seed, noise_seed=noise_seed, steps_per_call=steps_per_call,
+            checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume, progress=progress,
+            account=account, callback=callback, use_fast_path=use_fast_path, fingerprint=_fingerprint(x, y))
     is_convex = bool(getattr(model, "is_convex", False)) if convex is None else bool(convex)
     if lipschitz is not None or smoothness is not None:
         if lipschitz is None or smoothness is None:
