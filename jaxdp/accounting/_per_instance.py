@@ -244,9 +244,12 @@ def _round_up_order(v: float) -> float:
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     grid: np.ndarray  # (G,) orders at which the per-step RDP is evaluated
+    # Blocks of checkpoints that need the same orders: (checkpoint columns, orders). The
+    # evaluated values are laid out block after block, checkpoint-major within a block.
+    blocks: tuple[tuple[np.ndarray, np.ndarray], ...]
     starts: tuple[int, ...]  # group slice per order α (groups sorted by α)
     stops: tuple[int, ...]
-    flat: np.ndarray  # (M,) index into checkpoint-major (C * G) per group
+    flat: np.ndarray  # (M,) index into the evaluated values, per group
     count: np.ndarray  # (M,) steps in the group
     lam: np.ndarray  # (M,) largest λ_i in the group (inf for p = ∞)
     first: np.ndarray  # (k,) flat index of step 1 for each α
@@ -265,6 +268,7 @@ def _plan(orders_key, num_steps, ckpt_key, p, rounding, levels) -> _Plan:
     finite = not math.isinf(p)
     rho = p / (p - 1.0) if finite else 1.0
     evals = np.empty((len(orders), n))
+    band_of_step = None
     lams = np.empty((len(orders), n))
     for a, alpha in enumerate(orders):
         beta = 1.0 + (alpha - 1.0) * rho ** i.astype(np.float64)
@@ -278,13 +282,31 @@ def _plan(orders_key, num_steps, ckpt_key, p, rounding, levels) -> _Plan:
             e = np.array([alpha] + [_round_up_order(float(v)) for v in e[1:]])
             j = -(-levels * i // max(n - 1, 1))  # ceil(J i / (n - 1)) in integers
             ev = e[j]
+            band_of_step = j if finite else None
         # The last step is at α itself, and so is every step for p = ∞ (no rounding needed).
         ev = np.full(n, alpha) if not finite else np.where(i == 0, alpha, ev)
         evals[a] = ev
     grid = np.unique(evals)
     g_of = np.searchsorted(grid, evals)
     n_grid = len(grid)
-    flat_all = c_of_t[None, :] * n_grid + g_of  # (k, n)
+    # Only the (checkpoint, order) pairs some step uses are evaluated. With "levels", the
+    # steps of level j need the k orders of that level only, at the checkpoints they use
+    # (a checkpoint's steps fall in one or two levels), so each level is one block: a
+    # J+1-fold saving for J+1 compiled copies of the per-step accountant. Otherwise one
+    # block holds every checkpoint at every order.
+    band = band_of_step if band_of_step is not None else np.zeros(n, dtype=np.int64)
+    flat_all = np.full((len(orders), n), -1, dtype=np.int64)
+    blocks, off = [], 0
+    for b in np.unique(band):
+        steps = np.nonzero(band == b)[0]
+        cs = np.unique(c_of_t[steps])
+        gs = np.unique(g_of[:, steps])
+        lut = np.full((len(ckpt), n_grid), -1, dtype=np.int64)
+        lut[cs[:, None], gs[None, :]] = off + np.arange(len(cs) * len(gs)).reshape(len(cs), len(gs))
+        flat_all[:, steps] = lut[c_of_t[steps][None, :], g_of[:, steps]]
+        off += len(cs) * len(gs)
+        blocks.append((cs, grid[gs]))
+    assert np.all(flat_all >= 0)
     ratio = np.max((evals - 1.0) / (1.0 + (orders[:, None] - 1.0) * rho ** i[None, :].astype(np.float64) - 1.0))
     starts, stops, flats, counts, lam_g = [], [], [], [], []
     for a in range(len(orders)):
@@ -301,6 +323,7 @@ def _plan(orders_key, num_steps, ckpt_key, p, rounding, levels) -> _Plan:
         stops.append(starts[-1] + len(uniq))
     return _Plan(
         grid=grid,
+        blocks=tuple(blocks),
         starts=tuple(starts),
         stops=tuple(stops),
         flat=np.concatenate(flats).astype(np.int64),
@@ -314,8 +337,11 @@ def _plan(orders_key, num_steps, ckpt_key, p, rounding, levels) -> _Plan:
 def _compose_chunk(plan: _Plan, q, noise_multiplier, r):
     """Theorem 3.3 for a chunk of points. ``r``: (P, R, C). Returns RDP (P, k)."""
     n_runs = r.shape[1]
-    e = _pi_rdp(plan.grid, q, noise_multiplier, r)  # (P, R, C, G)
-    e = e.reshape(e.shape[:2] + (-1,))  # (P, R, C*G)
+    parts = []
+    for cols, orders in plan.blocks:
+        rb = take(r, cols, axis=-1)  # (P, R, C_b)
+        parts.append(_pi_rdp(orders, q, noise_multiplier, rb).reshape(r.shape[:2] + (-1,)))
+    e = jnp.concatenate(parts, axis=-1)  # (P, R, Σ_b C_b G_b)
     out = []
     vals = take(e, plan.flat, axis=-1) if plan.flat.size else None  # (P, R, M)
     if vals is not None:
@@ -420,8 +446,9 @@ def per_instance_dpsgd_privacy(
         over the runs at order α.
       order_rounding: ``"levels"`` or ``"ceil"`` (static).
       order_levels: J ≥ 1 for ``"levels"`` (static).
-      chunk_size: points evaluated at once (static): peak memory is about
-        ``chunk_size * R * T * G * 24`` bytes with G ≤ k (J + 1) evaluation orders.
+      chunk_size: points evaluated at once (static): the values held per chunk are about
+        ``chunk_size * R * T * 2k * 8`` bytes (each checkpoint needs the orders of the one
+        or two levels its steps fall in), plus the sampled-Gaussian work arrays.
       method: RDP → DP conversion, ``"improved"`` (default) or ``"classic"``.
 
     Returns:
