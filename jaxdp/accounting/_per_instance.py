@@ -369,7 +369,9 @@ def _compose_chunk(plan: _Plan, q, noise_multiplier, r):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6, 7))
-def _compose_jit(orders_key, num_steps, ckpt_key, p, rounding, levels, chunk_size, method, q, noise_multiplier, r, delta):
+def _compose_jit(
+    orders_key, num_steps, ckpt_key, p, rounding, levels, chunk_size, method, q, noise_multiplier, r, delta
+):
     plan = _plan(orders_key, num_steps, ckpt_key, p, rounding, levels)
     batch = r.shape[:-2]
     n_pts = math.prod(batch)
@@ -428,7 +430,7 @@ def per_instance_dpsgd_privacy(
     The result is converted per point with :func:`rdp_to_epsilon` over ``orders``.
 
     Args:
-      orders: target Rényi orders α > 1 (static; default :data:`PER_INSTANCE_ORDERS`).
+      orders: target Rényi orders α > 1 (static); ``None`` for :data:`PER_INSTANCE_ORDERS`.
       q: Poisson sampling rate in [0, 1] (scalar, the same for every step).
       noise_multiplier: noise std over the clipping norm, > 0 (scalar).
       r: clipped gradient norm over C, in [0, 1], shape ``points + (T,)``, or

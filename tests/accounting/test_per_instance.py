@@ -340,13 +340,14 @@ def test_composition_chunking_jit_and_broadcast():
     rng = np.random.default_rng(2)
     r = rng.uniform(0, 1, size=(7, 20))
     orders = [2.0, 8.0]
-    a = A.per_instance_dpsgd_privacy(orders, 0.01, 1.0, r, 1e-5, chunk_size=3)  # 3 chunks, one padded
-    run = jax.jit(lambda x, d: A.per_instance_dpsgd_privacy(orders, 0.01, 1.0, x, d))
+    kw = dict(order_rounding="ceil")  # one block: compiles faster ("levels" is tested above)
+    a = A.per_instance_dpsgd_privacy(orders, 0.01, 1.0, r, 1e-5, chunk_size=3, **kw)  # 3 chunks, one padded
+    run = jax.jit(lambda x, d: A.per_instance_dpsgd_privacy(orders, 0.01, 1.0, x, d, **kw))
     b = run(r, 1e-5)  # one chunk, under jit: the result is a pytree
     assert isinstance(b, A.PerInstancePrivacy) and b.halt_step is None
     np.testing.assert_allclose(np.asarray(a.rdp), np.asarray(b.rdp), rtol=1e-14)
     np.testing.assert_allclose(np.asarray(a.epsilon), np.asarray(b.epsilon), rtol=1e-14)
-    single = A.per_instance_dpsgd_privacy(orders, 0.01, 1.0, r[3], 1e-5, chunk_size=3)
+    single = A.per_instance_dpsgd_privacy(orders, 0.01, 1.0, r[3], 1e-5, chunk_size=3, **kw)
     assert single.epsilon.shape == () and single.rdp.shape == (2,)
     np.testing.assert_allclose(np.asarray(single.rdp), np.asarray(a.rdp[3]), rtol=1e-14)
     # Per-point ε from rdp_to_epsilon over the target orders (independent conversion).
@@ -411,3 +412,16 @@ def test_filter_step_matches_replay_and_halts_for_good():
     assert masks[0].tolist() == [True, False, False, False, False]
     with pytest.raises(ValueError, match="budget"):
         A.individual_filter_privacy(orders, 0.2, 1.0, r, -1.0, 1e-5)
+
+
+def test_composition_gradient_in_r():
+    r = np.array([0.9, 0.6, 0.4, 0.3, 0.2])
+    kw = dict(p=15.0, order_rounding="ceil")
+    f = lambda x: A.per_instance_dpsgd_privacy([2.0], 0.05, 1.0, x, 1e-5, **kw).rdp[0]  # noqa: E731
+    g = np.asarray(jax.grad(f)(jnp.asarray(r)))
+    h = 1e-6
+    for t in (0, 3):
+        e = np.zeros_like(r)
+        e[t] = h
+        fd = (float(f(r + e)) - float(f(r - e))) / (2 * h)
+        assert g[t] == pytest.approx(fd, rel=1e-5)
