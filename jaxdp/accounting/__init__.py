@@ -140,3 +140,22 @@ __all__ += [
     "laplace_mechanism",
     "optimal_homogeneous_composition",
 ]
+
+# Per-instance (data-dependent) accounting: Thudi et al. 2024, Feldman and Zrnic 2021.
+from ._per_instance import PER_INSTANCE_ORDERS as PER_INSTANCE_ORDERS  # noqa: E402
+from ._per_instance import PerInstancePrivacy as PerInstancePrivacy  # noqa: E402
+from ._per_instance import individual_filter_privacy as individual_filter_privacy  # noqa: E402
+from ._per_instance import individual_filter_step as individual_filter_step  # noqa: E402
+from ._per_instance import per_instance_composition_orders as per_instance_composition_orders  # noqa: E402
+from ._per_instance import per_instance_dpsgd_privacy as per_instance_dpsgd_privacy  # noqa: E402
+from ._per_instance import per_instance_sampled_gaussian_rdp as per_instance_sampled_gaussian_rdp  # noqa: E402
+
+__all__ += [
+    "PER_INSTANCE_ORDERS",
+    "PerInstancePrivacy",
+    "individual_filter_privacy",
+    "individual_filter_step",
+    "per_instance_composition_orders",
+    "per_instance_dpsgd_privacy",
+    "per_instance_sampled_gaussian_rdp",
+]

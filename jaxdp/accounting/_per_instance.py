@@ -1,0 +1,708 @@
+r"""Per-instance (data-dependent) privacy accounting for DP-SGD with the sum rule.
+
+Two analyses of the same per-step quantity, the per-instance Rényi DP of one Poisson-sampled
+Gaussian step for a point whose clipped gradient norm over the clipping norm is ``r``:
+
+* :func:`per_instance_dpsgd_privacy`: Thudi et al. 2024, Theorem 3.3 (Hölder composition
+  for Markov chains) over a whole run, from the per-step ``r`` of one or more recorded
+  training runs. Its expectations over training trajectories are estimated from the
+  runs given, so the result is an **estimate**, not a certified bound.
+* :func:`individual_filter_privacy` / :func:`individual_filter_step`: Feldman and Zrnic
+  2021, individual privacy accounting with a Rényi filter. It is a certified guarantee
+  under fully adaptive composition, on condition that training enforced the filter.
+
+Neither is differential privacy: both are bounds for one fixed point and one fixed data
+set, and the values themselves depend on the data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _validate
+from .._numerics import f64, float64, take
+from ._conversion import rdp_to_epsilon
+from ._rdp import sampled_gaussian_rdp
+
+__all__ = [
+    "PER_INSTANCE_ORDERS",
+    "PerInstancePrivacy",
+    "individual_filter_privacy",
+    "individual_filter_step",
+    "per_instance_composition_orders",
+    "per_instance_dpsgd_privacy",
+    "per_instance_sampled_gaussian_rdp",
+]
+
+PER_INSTANCE_ORDERS: np.ndarray = np.array(
+    [1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0, 16.0, 20.0, 24.0, 32.0, 48.0, 64.0], dtype=np.float64
+)
+PER_INSTANCE_ORDERS.setflags(write=False)
+"""A compact default grid of 17 Rényi orders for per-instance accounting (each order of a
+composition is evaluated at up to five inflated orders at every checkpoint, so the grid is
+kept smaller than ``DEFAULT_ORDERS``)."""
+
+# Below this r the value is taken at r = _R_FLOOR (the RDP is nondecreasing in r, so this
+# is an upper bound). At r = 1e-6 the RDP is ~1e-17 or less in every setting where DP-SGD
+# is used; beyond σ/r ≈ 1e6 the fractional-order series' certified rounding margin,
+# which grows like (σ/r)², would dominate the value and could break monotonicity in r.
+_R_FLOOR = 1e-6
+_ROUND_UP = 1.0 + 1e-13  # relative nudge so that float rounding never rounds an order down
+_INT_ORDER_FROM = 8.0  # composition orders ≥ this are rounded up to integers (cheap, exact path)
+_FRAC_STEP = 0.25  # below it, up to a multiple of 1/4
+_ROUNDINGS = ("levels", "ceil")
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["epsilon", "order", "rdp", "halt_step"],
+    meta_fields=["analysis", "assumptions"],
+)
+@dataclasses.dataclass(frozen=True)
+class PerInstancePrivacy:
+    """Per-point privacy of a DP-SGD run: ε at δ, the analysis and what it assumes.
+
+    A pytree: the numeric fields are leaves (it passes through ``jit`` and ``vmap``),
+    ``analysis`` and ``assumptions`` are static strings carried alongside.
+
+    Attributes:
+      epsilon: ε at the requested δ per point, shape ``points``.
+      order: the Rényi order attaining it, shape ``points``.
+      rdp: the RDP curve per point, shape ``points + (k,)``. For the filter this is the
+        individual RDP actually consumed (never above the budget; the guarantee itself
+        is the budget).
+      halt_step: filter only: number of steps the point took part in before the filter
+        dropped it (``num_steps`` if never); ``None`` for the composition analysis.
+      analysis: which analysis produced the numbers.
+      assumptions: what the numbers assume, one sentence each; an estimate says so.
+    """
+
+    epsilon: jax.Array
+    order: jax.Array
+    rdp: jax.Array
+    halt_step: jax.Array | None
+    analysis: str
+    assumptions: tuple[str, ...]
+
+
+# --------------------------------------------------------------------------------------
+# One step
+# --------------------------------------------------------------------------------------
+
+
+def _check_common(q, noise_multiplier, r):
+    _validate.check_in_range("q", q, 0.0, 1.0)
+    _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True)
+    _validate.check_in_range("r", r, 0.0, 1.0)
+
+
+@float64
+def per_instance_sampled_gaussian_rdp(orders, q, noise_multiplier, r) -> jax.Array:
+    r"""Per-instance RDP of one Poisson-sampled Gaussian step for a point with norm ratio ``r``.
+
+    DP-SGD with the sum rule adds :math:`N(0, σ^2C^2)` to the sum of clipped gradients. For
+    the pair :math:`X, X' = X ∪ \{x^*\}` the sensitivity is the point's own clipped norm
+    :math:`rC`, :math:`r = \min(\|∇ℓ(θ, x^*)\|_2, C)/C`, the same for every minibatch, so
+    the step is the sampled Gaussian mechanism with noise multiplier :math:`σ/r`:
+
+    .. math::
+        ε(α) = \frac{1}{α-1}\log\sum_{k=0}^{α}\binom{α}{k}(1-q)^{α-k}q^k
+               \exp\Big(\frac{r^2(k^2-k)}{2σ^2}\Big)
+
+    for integer α (Thudi et al. 2024, Theorem 3.2, with the factor :math:`q^k` that its
+    Eq. 21 drops), and in general
+    :math:`ε(α) = D_α\big((1-q)N(0,σ^2) + qN(r,σ^2)\,\|\,N(0,σ^2)\big)`, which bounds the
+    Rényi divergence in both directions (Mironov, Talwar, Zhang 2019, Theorem 5).
+
+    Exactness: integer orders are the closed form above, summed in log space
+    (:func:`sampled_gaussian_rdp` at σ/r). Fractional orders use the exact two-sided
+    series of Mironov–Talwar–Zhang §3.3 with a certified error margin added, so the value
+    is an **upper bound** within 2e-10 relative of the truth for σ/r ≤ 50, and more
+    conservative (still above the truth) for larger σ/r. At r = 1 the value is the
+    data-independent sampled-Gaussian RDP; r = 0 gives 0; for 0 < r < 1e-6 the value at
+    r = 1e-6 is returned (an upper bound, ~1e-17 or less). The value is nondecreasing in r.
+
+    Args:
+      orders: Rényi orders α > 1 (static, a concrete 1-D sequence of length k; up to 65536).
+      q: Poisson sampling rate in [0, 1].
+      noise_multiplier: noise standard deviation over the clipping norm C, > 0.
+      r: clipped gradient norm over C, in [0, 1]. ``q``, ``noise_multiplier`` and ``r``
+        broadcast together (e.g. ``r`` of shape ``(num_points, num_steps)``).
+
+    Returns:
+      float64 array ``broadcast(q, noise_multiplier, r).shape + (k,)``. Under ``jit``,
+      values out of range give NaN.
+
+    Assumptions: add/remove-one neighbours; each point is sampled independently with
+    probability q (the rate does not depend on the data set); r is computed at the model
+    the step starts from. It is a per-instance bound for one fixed (X, x*), not DP.
+
+    References:
+      A. Thudi, H. Jia, C. Meehan, I. Shumailov, N. Papernot, "Gradients Look Alike:
+      Sensitivity is Often Overestimated in DP-SGD", USENIX Security 2024
+      (arXiv:2307.00310), Theorem 3.2. I. Mironov, K. Talwar, L. Zhang, "Rényi Differential
+      Privacy of the Sampled Gaussian Mechanism", arXiv:1908.10530 (2019), Theorem 5, §3.3.
+
+    Examples:
+      >>> import jaxdp, numpy as np
+      >>> e = jaxdp.accounting.per_instance_sampled_gaussian_rdp([2.0], 0.01, 1.0, 0.5)
+      >>> bool(np.isclose(e[0], np.log1p(0.01**2 * np.expm1(0.25))))
+      True
+    """
+    orders_np = _validate.concrete_orders(orders)
+    _check_common(q, noise_multiplier, r)
+    return _pi_rdp_jit(tuple(orders_np.tolist()), f64(q), f64(noise_multiplier), f64(r))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _pi_rdp_jit(orders_key, q, noise_multiplier, r):
+    return _pi_rdp(np.asarray(orders_key, dtype=np.float64), q, noise_multiplier, r)
+
+
+def _pi_rdp(orders_np, q, noise_multiplier, r):
+    q, noise_multiplier, r = jnp.broadcast_arrays(q, noise_multiplier, r)
+    valid = (r >= 0) & (r <= 1)
+    pos = valid & (r > 0)
+    # Double-where: the sampled Gaussian is evaluated at r = 1 where its value is not used
+    # (r = 0, invalid r), so the derivative stays finite there.
+    r_eval = jnp.where(pos, jnp.maximum(r, _R_FLOOR), 1.0)
+    out = sampled_gaussian_rdp(orders_np, q, noise_multiplier / r_eval)
+    out = jnp.where(pos[..., None], out, 0.0)
+    return jnp.where(valid[..., None], out, jnp.nan)
+
+
+# --------------------------------------------------------------------------------------
+# Thudi et al. Theorem 3.3
+# --------------------------------------------------------------------------------------
+
+
+def _default_p(num_steps: int) -> float:
+    return 3.0 * num_steps
+
+
+def per_instance_composition_orders(orders, num_steps: int, p: float | None = None) -> np.ndarray:
+    r"""The orders at which Theorem 3.3 of Thudi et al. evaluates each step.
+
+    Step t (1-based, of n) sits :math:`i = n - t` steps from the end and is evaluated at
+    :math:`β_i = g_p^{i}(α) = 1 + (p/(p-1))^{i}(α - 1)` with the map
+    :math:`g_p(α) = \frac{p}{p-1}α - \frac{1}{p-1}` that the theorem's proof requires (the
+    statement prints :math:`-1/p`, a typo). For p = 3n every order is below
+    :math:`1 + e^{1/3}(α - 1)`.
+
+    Args:
+      orders: Rényi orders α > 1 (concrete), length k.
+      num_steps: number of steps n ≥ 1.
+      p: Hölder exponent in (1, ∞]; default 3n. p = ∞ gives β_i = α.
+
+    Returns:
+      NumPy float64 array ``(k, n)``; column t - 1 is the order of step t.
+
+    References:
+      Thudi et al. 2024 (arXiv:2307.00310), Theorem 3.3 and its proof (after Eq. 3).
+
+    Examples:
+      >>> import jaxdp
+      >>> b = jaxdp.accounting.per_instance_composition_orders([8.0], 10, 30.0)
+      >>> round(float(b[0, 0]), 8), float(b[0, -1])
+      (10.49745734, 8.0)
+    """
+    orders_np = _validate.concrete_orders(orders)
+    n = _check_num_steps(num_steps)
+    p = _check_p(p, n)
+    i = np.arange(n - 1, -1, -1, dtype=np.float64)
+    rho = 1.0 if math.isinf(p) else p / (p - 1.0)
+    return 1.0 + (orders_np[:, None] - 1.0) * rho ** i[None, :]
+
+
+def _check_num_steps(num_steps) -> int:
+    if isinstance(num_steps, bool) or int(num_steps) != num_steps or num_steps < 1:
+        raise ValueError(f"num_steps must be an integer >= 1; got {num_steps!r}.")
+    return int(num_steps)
+
+
+def _check_p(p, n: int) -> float:
+    if p is None:
+        return _default_p(n)
+    if not isinstance(p, (int, float, np.floating, np.integer)) or not (p > 1):
+        raise ValueError(f"p must be a number in (1, inf] (static); got {p!r}.")
+    return float(p)
+
+
+def _round_up_order(v: float) -> float:
+    v = v * _ROUND_UP
+    if v >= _INT_ORDER_FROM:
+        return float(math.ceil(v))
+    return math.ceil(v / _FRAC_STEP) * _FRAC_STEP
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    grid: np.ndarray  # (G,) orders at which the per-step RDP is evaluated
+    # Blocks of checkpoints that need the same orders: (checkpoint columns, orders). The
+    # evaluated values are laid out block after block, checkpoint-major within a block.
+    blocks: tuple[tuple[np.ndarray, np.ndarray], ...]
+    starts: tuple[int, ...]  # group slice per order α (groups sorted by α)
+    stops: tuple[int, ...]
+    flat: np.ndarray  # (M,) index into the evaluated values, per group
+    count: np.ndarray  # (M,) steps in the group
+    lam: np.ndarray  # (M,) largest λ_i in the group (inf for p = ∞)
+    first: np.ndarray  # (k,) flat index of step 1 for each α
+    max_rounding: float  # largest ratio (evaluated order - 1)/(β_i - 1), for the report
+
+
+@functools.cache
+def _plan(orders_key, num_steps, ckpt_key, p, rounding, levels) -> _Plan:
+    orders = np.asarray(orders_key, dtype=np.float64)
+    n = num_steps
+    ckpt = np.asarray(ckpt_key, dtype=np.int64)
+    t = np.arange(1, n + 1)
+    # Step t starts from the model after t - 1 steps; take the nearest checkpoint (ties: earlier).
+    c_of_t = np.argmin(np.abs(ckpt[None, :] - (t - 1)[:, None]), axis=1)
+    i = n - t
+    finite = not math.isinf(p)
+    rho = p / (p - 1.0) if finite else 1.0
+    evals = np.empty((len(orders), n))
+    band_of_step = None
+    lams = np.empty((len(orders), n))
+    for a, alpha in enumerate(orders):
+        beta = 1.0 + (alpha - 1.0) * rho ** i.astype(np.float64)
+        lams[a] = p * (beta - 1.0) if finite else np.inf
+        if rounding == "ceil":
+            ev = np.ceil(beta * _ROUND_UP)
+        else:
+            # Level j covers the steps with i ≤ (n - 1) j / J: e_j = β at that (fractional) i.
+            js = np.arange(levels + 1)
+            e = 1.0 + (alpha - 1.0) * rho ** ((n - 1) * js / levels) if n > 1 else np.full(levels + 1, alpha)
+            e = np.array([alpha] + [_round_up_order(float(v)) for v in e[1:]])
+            j = -(-levels * i // max(n - 1, 1))  # ceil(J i / (n - 1)) in integers
+            ev = e[j]
+            band_of_step = j if finite else None
+        # The last step is at α itself, and so is every step for p = ∞ (no rounding needed).
+        ev = np.full(n, alpha) if not finite else np.where(i == 0, alpha, ev)
+        evals[a] = ev
+    grid = np.unique(evals)
+    g_of = np.searchsorted(grid, evals)
+    n_grid = len(grid)
+    # Only the (checkpoint, order) pairs some step uses are evaluated. With "levels", the
+    # steps of level j need the k orders of that level only, at the checkpoints they use
+    # (a checkpoint's steps fall in one or two levels), so each level is one block: a
+    # J+1-fold saving for J+1 compiled copies of the per-step accountant. Otherwise one
+    # block holds every checkpoint at every order.
+    band = band_of_step if band_of_step is not None else np.zeros(n, dtype=np.int64)
+    flat_all = np.full((len(orders), n), -1, dtype=np.int64)
+    blocks, off = [], 0
+    for b in np.unique(band):
+        steps = np.nonzero(band == b)[0]
+        cs = np.unique(c_of_t[steps])
+        gs = np.unique(g_of[:, steps])
+        lut = np.full((len(ckpt), n_grid), -1, dtype=np.int64)
+        lut[cs[:, None], gs[None, :]] = off + np.arange(len(cs) * len(gs)).reshape(len(cs), len(gs))
+        flat_all[:, steps] = lut[c_of_t[steps][None, :], g_of[:, steps]]
+        off += len(cs) * len(gs)
+        blocks.append((cs, grid[gs]))
+    assert np.all(flat_all >= 0)
+    ratio = np.max((evals - 1.0) / (1.0 + (orders[:, None] - 1.0) * rho ** i[None, :].astype(np.float64) - 1.0))
+    starts, stops, flats, counts, lam_g = [], [], [], [], []
+    for a in range(len(orders)):
+        keys = flat_all[a, 1:]  # steps t ≥ 2; step 1 is deterministic (fixed initial model)
+        lam_a = lams[a, 1:]
+        uniq, inv = np.unique(keys, return_inverse=True)
+        cnt = np.bincount(inv, minlength=len(uniq)).astype(np.float64)
+        lmax = np.full(len(uniq), -np.inf)
+        np.maximum.at(lmax, inv, lam_a)
+        starts.append(sum(len(f) for f in flats))
+        flats.append(uniq)
+        counts.append(cnt)
+        lam_g.append(lmax)
+        stops.append(starts[-1] + len(uniq))
+    return _Plan(
+        grid=grid,
+        blocks=tuple(blocks),
+        starts=tuple(starts),
+        stops=tuple(stops),
+        flat=np.concatenate(flats).astype(np.int64),
+        count=np.concatenate(counts),
+        lam=np.concatenate(lam_g),
+        first=flat_all[:, 0].astype(np.int64),
+        max_rounding=float(ratio),
+    )
+
+
+def _compose_chunk(plan: _Plan, q, noise_multiplier, r):
+    """Theorem 3.3 for a chunk of points. ``r``: (P, R, C). Returns RDP (P, k)."""
+    n_runs = r.shape[1]
+    parts = []
+    for cols, orders in plan.blocks:
+        rb = take(r, cols, axis=-1)  # (P, R, C_b)
+        parts.append(_pi_rdp(orders, q, noise_multiplier, rb).reshape(r.shape[:2] + (-1,)))
+    e = jnp.concatenate(parts, axis=-1)  # (P, R, Σ_b C_b G_b)
+    out = []
+    vals = take(e, plan.flat, axis=-1) if plan.flat.size else None  # (P, R, M)
+    if vals is not None:
+        lam = plan.lam
+        if n_runs == 1:
+            soft = vals[:, 0, :]
+        elif np.all(np.isinf(lam)):
+            soft = jnp.max(vals, axis=1)
+        else:
+            # (1/λ) log mean_runs exp(λ ε): the Hölder term of the theorem. λ up to ~1e5, so
+            # it is a log-sum-exp in λε. It is nondecreasing in λ (a power mean), which is
+            # why a group of steps may use its largest λ.
+            lam_s = np.where(np.isinf(lam), 1.0, lam)
+            lse = jax.scipy.special.logsumexp(vals * lam_s, axis=1)
+            soft = (lse - math.log(n_runs)) / lam_s
+            soft = jnp.where(np.isinf(lam), jnp.max(vals, axis=1), soft)
+        contrib = soft * plan.count
+    first = jnp.max(take(e, plan.first, axis=-1), axis=1)  # (P, k): the same model in every run
+    for a, (s, t) in enumerate(zip(plan.starts, plan.stops)):
+        tot = first[:, a]
+        if t > s:
+            tot = tot + jnp.sum(contrib[:, s:t], axis=-1)
+        out.append(tot)
+    return jnp.stack(out, axis=-1)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6, 7))
+def _compose_jit(
+    orders_key, num_steps, ckpt_key, p, rounding, levels, chunk_size, method, q, noise_multiplier, r, delta
+):
+    plan = _plan(orders_key, num_steps, ckpt_key, p, rounding, levels)
+    batch = r.shape[:-2]
+    n_pts = math.prod(batch)
+    rf = r.reshape((n_pts,) + r.shape[-2:])
+    chunk = max(1, min(chunk_size, n_pts))
+    n_pad = -(-n_pts // chunk) * chunk
+    if n_pad > n_pts:  # pad by concatenation (see _rdp._sgm_rdp_jit for why not jnp.pad)
+        rf = jnp.concatenate([rf, jnp.zeros((n_pad - n_pts,) + rf.shape[1:], rf.dtype)])
+    chunks = rf.reshape((n_pad // chunk, chunk) + rf.shape[1:])
+    rdp = jax.lax.map(lambda x: _compose_chunk(plan, q, noise_multiplier, x), chunks)
+    rdp = rdp.reshape(n_pad, -1)[:n_pts].reshape(batch + (len(orders_key),))
+    eps = rdp_to_epsilon(rdp, np.asarray(orders_key), delta, method=method)
+    return rdp, eps.epsilon, eps.order
+
+
+@float64
+def per_instance_dpsgd_privacy(
+    orders,
+    q,
+    noise_multiplier,
+    r,
+    delta,
+    *,
+    num_steps: int | None = None,
+    checkpoint_steps=None,
+    runs: bool = False,
+    p: float | None = None,
+    order_rounding: str = "levels",
+    order_levels: int = 4,
+    chunk_size: int = 256,
+    method: str = "improved",
+) -> PerInstancePrivacy:
+    r"""Per-point RDP and ε of a DP-SGD run by Theorem 3.3 of Thudi et al. (an estimate).
+
+    For a Markov chain of n steps, the Rényi divergence of the whole trajectory is bounded
+    by (Theorem 3.3, rewritten with :math:`λ_i = p(β_i - 1)`)
+
+    .. math::
+        D_α \le \sum_{i=0}^{n-2} \frac{1}{λ_i}\log \mathbb{E}\big[e^{λ_i ε_{n-i}(β_i)}\big]
+                + ε_1(β_{n-1}),\qquad β_i = 1 + \Big(\frac{p}{p-1}\Big)^{i}(α - 1),
+
+    where :math:`ε_t(β)` is the per-instance RDP of step t at the model it starts from
+    (:func:`per_instance_sampled_gaussian_rdp`) and the expectation is over training
+    trajectories drawn on the first-argument data set. Here the expectation is replaced by
+    the mean over the ``R`` recorded runs (``R = 1`` by default: the observed run), the
+    first step (fixed initial model) takes the largest value over runs, and each order
+    :math:`β_i` is rounded **up** (Rényi divergences are nondecreasing in the order):
+
+    * ``order_rounding="levels"`` (default): to :math:`1 + (α-1)(p/(p-1))^{(n-1)j/J}`, the
+      order of the first step of level j = ⌈J i/(n-1)⌉, J = ``order_levels``, then to the
+      next multiple of 1/4 (or integer from 8 on). The last step keeps α.
+    * ``order_rounding="ceil"``: to ⌈β_i⌉, as in the paper.
+
+    Steps sharing a checkpoint and a rounded order are summed with their largest
+    :math:`λ_i` (the Hölder term is nondecreasing in λ), which is exact for ``R = 1``.
+    The result is converted per point with :func:`rdp_to_epsilon` over ``orders``.
+
+    Args:
+      orders: target Rényi orders α > 1 (static); ``None`` for :data:`PER_INSTANCE_ORDERS`.
+      q: Poisson sampling rate in [0, 1] (scalar, the same for every step).
+      noise_multiplier: noise std over the clipping norm, > 0 (scalar).
+      r: clipped gradient norm over C, in [0, 1], shape ``points + (T,)``, or
+        ``points + (R, T)`` with ``runs=True``. T is the number of steps, or of checkpoints
+        when ``checkpoint_steps`` is given. ``points`` may be empty.
+      delta: δ in (0, 1) for the conversion.
+      num_steps: n, the number of steps of the run (static); default T.
+      checkpoint_steps: concrete, strictly increasing integers in [0, n - 1]: ``r[..., c]``
+        was measured at the model after ``checkpoint_steps[c]`` steps. Step t then uses
+        the checkpoint nearest to t - 1 (ties: the earlier). Default: every step, 0..n-1.
+      runs: whether axis -2 of ``r`` indexes independent training runs from the same
+        initial model (Monte Carlo samples of the trajectory).
+      p: Hölder exponent in (1, ∞] (static), default 3n (the paper's choice; then every
+        order is below :math:`1 + 1.3957(α - 1)`). ``p = inf`` gives per-step worst case
+        over the runs at order α.
+      order_rounding: ``"levels"`` or ``"ceil"`` (static).
+      order_levels: J ≥ 1 for ``"levels"`` (static).
+      chunk_size: points evaluated at once (static): the values held per chunk are about
+        ``chunk_size * R * T * 2k * 8`` bytes (each checkpoint needs the orders of the one
+        or two levels its steps fall in), plus the sampled-Gaussian work arrays.
+      method: RDP → DP conversion, ``"improved"`` (default) or ``"classic"``.
+
+    Returns:
+      :class:`PerInstancePrivacy` with ``epsilon``/``order`` of shape ``points``, ``rdp``
+      of shape ``points + (k,)``, ``halt_step=None``, the analysis name and assumptions.
+      Under ``jit``, invalid values give NaN.
+
+    Assumptions (also in the result): add/remove neighbours, Poisson sampling, sum rule
+    with per-example clipping at C and noise :math:`N(0, σ^2C^2)`; Markov training (the
+    state includes optimiser buffers, the learning-rate schedule is fixed in advance) from a
+    fixed initial model; ``r`` measured on runs over the first-argument data set of the
+    divergence (the per-instance guarantee is the larger of both directions, each needing
+    its own runs). **It is an estimate**: the plug-in mean over R runs is biased low
+    (Jensen), and with checkpoints the steps between them are filled in by the nearest
+    checkpoint, an unverified assumption. It is data-dependent and is not DP.
+
+    References:
+      A. Thudi, H. Jia, C. Meehan, I. Shumailov, N. Papernot, "Gradients Look Alike:
+      Sensitivity is Often Overestimated in DP-SGD", USENIX Security 2024
+      (arXiv:2307.00310), Theorems 3.2 and 3.3.
+
+    Examples:
+      >>> import jaxdp, numpy as np
+      >>> r = np.full((2, 10), [[1.0], [0.2]])  # two points, ten steps
+      >>> res = jaxdp.accounting.per_instance_dpsgd_privacy([2.0, 8.0], 0.01, 1.0, r, 1e-5, p=np.inf)
+      >>> res.epsilon.shape, bool(res.epsilon[1] < res.epsilon[0])
+      ((2,), True)
+    """
+    orders_np = _validate.concrete_orders(PER_INSTANCE_ORDERS if orders is None else orders)
+    _check_common(q, noise_multiplier, r)
+    _validate.check_in_range("delta", delta, 0.0, 1.0, lo_open=True, hi_open=True)
+    _validate.check_static_choice("order_rounding", order_rounding, _ROUNDINGS)
+    _validate.check_static_choice("method", method, ("improved", "classic"))
+    if isinstance(order_levels, bool) or int(order_levels) != order_levels or order_levels < 1:
+        raise ValueError(f"order_levels must be an integer >= 1; got {order_levels!r}.")
+    if isinstance(chunk_size, bool) or int(chunk_size) != chunk_size or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an integer >= 1; got {chunk_size!r}.")
+    for name, v in (("q", q), ("noise_multiplier", noise_multiplier)):
+        if np.ndim(v) != 0:
+            raise ValueError(f"{name} must be a scalar (the same for every step); got shape {np.shape(v)}.")
+    r = f64(r)
+    if r.ndim < 1 or (runs and r.ndim < 2):
+        raise ValueError(f"r must have a step axis{' and a runs axis' if runs else ''}; got shape {r.shape}.")
+    if not runs:
+        r = r[..., None, :]
+    n_cols = r.shape[-1]
+    n = _check_num_steps(n_cols if num_steps is None else num_steps)
+    if checkpoint_steps is None:
+        if n_cols != n:
+            raise ValueError(f"r has {n_cols} steps but num_steps={n}; pass checkpoint_steps for checkpoints.")
+        ckpt = np.arange(n)
+    else:
+        if not _validate.is_concrete(checkpoint_steps):
+            raise TypeError("checkpoint_steps must be concrete (a list or NumPy array of step counts).")
+        ckpt = np.asarray(checkpoint_steps)
+        if (
+            ckpt.ndim != 1
+            or ckpt.size != n_cols
+            or not np.all(ckpt == np.round(ckpt))
+            or np.any(ckpt < 0)
+            or np.any(ckpt > n - 1)
+            or np.any(np.diff(ckpt) <= 0)
+        ):
+            raise ValueError(
+                f"checkpoint_steps must be {n_cols} strictly increasing integers in [0, num_steps - 1] = "
+                f"[0, {n - 1}] (one per column of r); got {ckpt!r}."
+            )
+        ckpt = ckpt.astype(np.int64)
+    p_val = _check_p(p, n)
+    n_runs = r.shape[-2]
+    key = (tuple(orders_np.tolist()), n, tuple(ckpt.tolist()), p_val, order_rounding, int(order_levels))
+    max_rounding = _plan(*key).max_rounding
+    rdp, eps, order = _compose_jit(
+        *key,
+        int(chunk_size),
+        method,
+        f64(q),
+        f64(noise_multiplier),
+        r,
+        f64(delta),
+    )
+    every_step = checkpoint_steps is None
+    assumptions = (
+        "Thudi et al. 2024 Theorem 3.3 with the per-step bound of Theorem 3.2 (sum rule): add/remove neighbours, "
+        "Poisson sampling at rate q, per-example clipping at C, noise N(0, (noise_multiplier*C)^2) on the sum.",
+        "Markov training from a fixed initial model: each step depends only on the previous state (optimiser "
+        "buffers included), with a learning-rate schedule fixed in advance.",
+        "r was measured on training runs over the first-argument data set of the divergence; the per-instance "
+        "guarantee is the larger of the two directions, each needing its own runs.",
+        f"ESTIMATE: expectations over training trajectories are replaced by the mean over {n_runs} recorded "
+        f"run(s) (plug-in, biased low); this is not a certified bound.",
+        "r known at every step." if every_step else (
+            f"ESTIMATE: r known only at {n_cols} checkpoints of {n} steps; every other step uses the nearest "
+            "checkpoint (ties: the earlier), an unverified assumption."
+        ),
+        f"Hoelder exponent p = {p_val:g}; per-step orders rounded up ({order_rounding}"
+        + (f", {order_levels} levels" if order_rounding == "levels" else "")
+        + f"; (order - 1) inflated by at most {float(max_rounding):.4g}x over the theorem's).",
+        "Data-dependent: a bound for this point and this data set, not differential privacy; the values "
+        "themselves depend on the data.",
+    )
+    return PerInstancePrivacy(eps, order, rdp, None, "thudi2024_theorem_3.3_estimate", assumptions)
+
+
+# --------------------------------------------------------------------------------------
+# Feldman and Zrnic: individual Rényi filter
+# --------------------------------------------------------------------------------------
+
+
+@float64
+def individual_filter_step(consumed, halted, orders, q, noise_multiplier, r, budget):
+    r"""One step of an individual Rényi filter: who may take part, and the updated ledger.
+
+    A point takes part in the step iff it has not been dropped and
+    :math:`\mathrm{consumed}(α) + ε_t(α) ≤ B(α)` at every order, where :math:`ε_t` is its
+    per-instance RDP for this step (:func:`per_instance_sampled_gaussian_rdp` at the ``r``
+    computed on the model the step starts from). Otherwise it is **dropped for the rest
+    of training** (its gradient must not enter this or any later step) and its ledger
+    stops. Run this before each step and use ``active`` as the per-example mask.
+
+    Args:
+      consumed: individual RDP consumed so far, shape ``points + (k,)`` (zeros at start).
+      halted: bool, shape ``points`` (False at start).
+      orders: Rényi orders (static), length k.
+      q: Poisson sampling rate in [0, 1].
+      noise_multiplier: noise std over the clipping norm, > 0.
+      r: this step's clipped norm over C in [0, 1], shape ``points``.
+      budget: RDP budget per order, ≥ 0 (may be ``inf``), broadcastable to ``(k,)``.
+
+    Returns:
+      ``(active, consumed, halted)``: bool ``points``, float64 ``points + (k,)``, bool.
+
+    References:
+      V. Feldman, T. Zrnic, "Individual Privacy Accounting via a Rényi Filter",
+      NeurIPS 2021 (arXiv:2008.11193), the Rényi filter and its individual form (§3–4).
+
+    Examples:
+      >>> import jaxdp, jax.numpy as jnp
+      >>> a, c, h = jaxdp.accounting.individual_filter_step(
+      ...     jnp.zeros((2, 1)), jnp.zeros(2, bool), [2.0], 1.0, 1.0, jnp.array([1.0, 0.1]), 0.5)
+      >>> a.tolist(), h.tolist()
+      ([False, True], [True, False])
+    """
+    orders_np = _validate.concrete_orders(orders)
+    _check_common(q, noise_multiplier, r)
+    _validate.check_in_range("budget", budget, 0.0, math.inf, allow_inf=True)
+    _validate.check_in_range("consumed", consumed, 0.0, math.inf)
+    return _filter_step(orders_np, f64(consumed), jnp.asarray(halted, bool), f64(q), f64(noise_multiplier), f64(r),
+                        f64(budget))
+
+
+def _filter_step(orders_np, consumed, halted, q, noise_multiplier, r, budget):
+    rho = _pi_rdp(orders_np, q, noise_multiplier, r)
+    cand = consumed + rho
+    fits = jnp.all(cand <= budget, axis=-1)  # NaN compares False: an invalid value drops the point
+    active = fits & ~halted
+    consumed = jnp.where(active[..., None], cand, consumed)
+    return active, consumed, halted | ~fits
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _filter_jit(orders_key, method, q, noise_multiplier, r, budget, delta):
+    orders_np = np.asarray(orders_key, dtype=np.float64)
+    k = len(orders_key)
+    batch = r.shape[:-1]
+    budget_k = jnp.broadcast_to(budget, (k,))
+
+    def body(carry, r_t):
+        consumed, halted, count = carry
+        active, consumed, halted = _filter_step(orders_np, consumed, halted, q, noise_multiplier, r_t, budget_k)
+        return (consumed, halted, count + active.astype(jnp.int32)), None
+
+    init = (jnp.zeros(batch + (k,)), jnp.zeros(batch, bool), jnp.zeros(batch, jnp.int32))
+    (consumed, _, count), _ = jax.lax.scan(body, init, jnp.moveaxis(r, -1, 0))
+    eps = rdp_to_epsilon(jnp.broadcast_to(budget_k, batch + (k,)), orders_np, delta, method=method)
+    bad = jnp.any(~((r >= 0) & (r <= 1)), axis=-1) | ~((q >= 0) & (q <= 1)) | ~(noise_multiplier > 0)
+    return consumed, jnp.where(bad, jnp.nan, eps.epsilon), eps.order, count
+
+
+@float64
+def individual_filter_privacy(orders, q, noise_multiplier, r, budget, delta, *, method: str = "improved"):
+    r"""Individual privacy accounting of DP-SGD with a Rényi filter (Feldman and Zrnic 2021).
+
+    Replays :func:`individual_filter_step` over the steps: a point takes part in step t
+    while its accumulated per-instance RDP plus :math:`ε_t` stays within the budget
+    :math:`B(α)` at every order; the first step that would exceed it drops the point for
+    the rest of training. Because every point's total is then at most B(α) for **every**
+    trajectory, the Rényi filter theorem makes the whole adaptive run
+    :math:`(α, B(α))`-RDP for each point at every order, and
+
+    .. math:: ε_i = \min_α \mathrm{conv}_δ(B(α))
+
+    is the same certified guarantee for every point. What differs between points is how
+    long they took part (``halt_step``) and what they actually consumed (``rdp``).
+
+    Args:
+      orders: Rényi orders (static), length k.
+      q: Poisson sampling rate in [0, 1].
+      noise_multiplier: noise std over the clipping norm, > 0.
+      r: clipped norm over C in [0, 1] at **every** step, shape ``points + (num_steps,)``,
+        from the training that enforced the filter (checkpoints are not enough: the
+        filter must see each step).
+      budget: RDP budget per order, ≥ 0, ``inf`` for an order without a budget,
+        broadcastable to ``(k,)``.
+      delta: δ in (0, 1).
+      method: RDP → DP conversion, ``"improved"`` (default) or ``"classic"``.
+
+    Returns:
+      :class:`PerInstancePrivacy` with ``epsilon`` (from the budget), ``order``,
+      ``rdp`` = consumed individual RDP ``points + (k,)``, and ``halt_step`` (int32, steps
+      taken part in; ``num_steps`` if never dropped). NaN ε under ``jit`` for invalid input.
+
+    Assumptions (also in the result): the guarantee holds only if training applied this
+    filter, i.e. excluded each point's gradient from the step that would exceed its
+    budget and from every later step; ``r`` at step t is computed from the model before
+    step t and the point alone (so the per-step bound is predictable); add/remove
+    neighbours, Poisson sampling, sum rule. It is a per-point guarantee for the given data
+    set, valid under fully adaptive composition; the halting times depend on the data.
+
+    References:
+      V. Feldman, T. Zrnic, "Individual Privacy Accounting via a Rényi Filter",
+      NeurIPS 2021 (arXiv:2008.11193), the Rényi filter (§3) and individual privacy
+      filtering for noisy gradient descent (§4).
+
+    Examples:
+      >>> import jaxdp, numpy as np
+      >>> r = np.array([[1.0] * 6, [0.1] * 6])
+      >>> res = jaxdp.accounting.individual_filter_privacy([2.0, 8.0], 0.5, 2.0, r, [0.3, np.inf], 1e-5)
+      >>> res.halt_step.tolist()
+      [4, 6]
+    """
+    orders_np = _validate.concrete_orders(orders)
+    _check_common(q, noise_multiplier, r)
+    _validate.check_in_range("budget", budget, 0.0, math.inf, allow_inf=True)
+    _validate.check_in_range("delta", delta, 0.0, 1.0, lo_open=True, hi_open=True)
+    _validate.check_static_choice("method", method, ("improved", "classic"))
+    r = f64(r)
+    if r.ndim < 1:
+        raise ValueError(f"r must have a step axis; got shape {r.shape}.")
+    consumed, eps, order, count = _filter_jit(
+        tuple(orders_np.tolist()), method, f64(q), f64(noise_multiplier), r, f64(budget), f64(delta)
+    )
+    assumptions = (
+        "Feldman and Zrnic 2021 individual Renyi filter: valid under fully adaptive composition ONLY IF training "
+        "applied the filter (a point's gradient is excluded from the step that would exceed its budget at any "
+        "order and from every later step).",
+        "Per-step individual RDP: the per-instance sampled Gaussian bound (Thudi et al. 2024 Theorem 3.2; "
+        "add/remove neighbours, Poisson sampling at rate q, sum rule, clipping at C, noise N(0, "
+        "(noise_multiplier*C)^2)), with r computed from the model before the step and the point alone.",
+        "r known at every step of the filtered run (no interpolation).",
+        "epsilon is the guarantee of the budget, the same for every filtered point; rdp is what each point "
+        "consumed and halt_step how many steps it took part in (both data-dependent, not to be released "
+        "without accounting for them).",
+    )
+    return PerInstancePrivacy(eps, order, consumed, count, "feldman_zrnic2021_individual_renyi_filter", assumptions)
