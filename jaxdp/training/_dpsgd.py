@@ -98,7 +98,7 @@ def poisson_sample(key: jax.Array, num_records: int, q) -> tuple[jax.Array, jax.
     return indices.astype(jnp.int32), size
 
 
-def dpsgd(optimizer, noise_multiplier, clip_norm, expected_batch_size, key) -> optax.GradientTransformation:
+def dpsgd(optimizer, noise_multiplier, clip_norm, batch_size, key) -> optax.GradientTransformation:
     r"""DP-SGD's transformation of the clipped-gradient *sum* of a Poisson batch.
 
     .. math::
@@ -117,7 +117,8 @@ def dpsgd(optimizer, noise_multiplier, clip_norm, expected_batch_size, key) -> o
         ``optax.sgd(learning_rate)``.
       noise_multiplier: :math:`\nu \ge 0` (array-like; may be traced).
       clip_norm: :math:`C > 0`.
-      expected_batch_size: :math:`qN > 0`.
+      batch_size: the expected batch size :math:`qN > 0` of Poisson sampling (the
+        glossary's one name for records per step).
       key: PRNG key of the noise (secret; split off a key from the OS entropy).
 
     Returns:
@@ -132,14 +133,14 @@ def dpsgd(optimizer, noise_multiplier, clip_norm, expected_batch_size, key) -> o
     """
     _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf)
     _validate.check_in_range("clip_norm", clip_norm, 0.0, math.inf, lo_open=True)
-    _validate.check_in_range("expected_batch_size", expected_batch_size, 0.0, math.inf, lo_open=True)
+    _validate.check_in_range("batch_size", batch_size, 0.0, math.inf, lo_open=True)
     if not isinstance(optimizer, optax.GradientTransformation):
         _validate.check_in_range("learning_rate", optimizer, 0.0, math.inf, lo_open=True)
         optimizer = optax.sgd(optimizer)
     noise_std = jnp.asarray(noise_multiplier) * jnp.asarray(clip_norm)
     return optax.chain(
         add_gaussian_noise(noise_std, key),
-        optax.scale(1.0 / jnp.asarray(expected_batch_size)),
+        optax.scale(1.0 / jnp.asarray(batch_size)),
         optimizer,
     )
 
