@@ -22,6 +22,7 @@ import numpy as np
 
 from .. import _validate
 from .._numerics import f64, float64
+from .._validate import nan_unless as _nan_unless
 
 __all__ = [
     "basic_composition",
@@ -41,10 +42,6 @@ ADVANCED_COMPOSITION_FORMS = ("dwork_roth", "tutorial_independent", "tutorial_ad
 _KOV_ALLOWANCE = 1e-11
 # Relative margin on the total δ target in certified comparisons.
 _SAFETY_REL = 1e-12
-
-
-def _nan_unless(valid, value):
-    return jnp.where(valid, value, jnp.nan)
 
 
 def _check_eps_delta(epsilon, delta) -> None:

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from .. import _validate
 from .._numerics import f64, float64
+from .._validate import nan_unless as _nan_unless
 
 # The one place this module takes the exact Gaussian hockey-stick divergence from.
 from ._contraction import log_gaussian_hockey_stick as _log_theta
@@ -47,10 +48,6 @@ _BISECT_ITERS = 64
 _SAFETY_REL = 1e-12
 
 GAUSSIAN_CALIBRATIONS = ("analytic", "6.91", "6.81", "6.82", "6.83", "6.84", "dwork_roth")
-
-
-def _nan_unless(valid, value):
-    return jnp.where(valid, value, jnp.nan)
 
 
 # ---------------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
@@ -34,7 +33,7 @@ def train_dpsgd(model, x, y, x_test, y_test, *, loss_fn, learning_rate, optimize
                 batch_size, passes, delta, order_seed, noise_seed, steps_per_call, checkpoint_dir,
                 checkpoint_every, resume, progress, account, callback, use_fast_path, fingerprint):
     """Run DP-SGD; arguments as validated by :func:`jaxdp.training.train`."""
-    from ._loop import TrainResult, TrainState, _from_arrays, _like_arrays, _secret_key, _to_arrays, accuracy
+    from ._loop import TrainState, _finish, _resume, _secret_key, _to_arrays
 
     _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True)
     if clip_norm is None:
@@ -96,17 +95,7 @@ def train_dpsgd(model, x, y, x_test, y_test, *, loss_fn, learning_rate, optimize
                        order=jnp.zeros((1,), jnp.int32), total_steps=jnp.asarray(total, jnp.int32),
                        max_grad_norm=jnp.zeros((), jnp.float32), clipped=jnp.zeros((), jnp.int32), ledger=ledger,
                        sample_key=k_sample)
-    if ckpt is not None and ckpt.latest_step() is not None:
-        arrays, meta = ckpt.restore(_like_arrays(state))
-        if meta.get("config") != config:
-            old = meta.get("config") or {}
-            diff = next((k for k in sorted(set(old) | set(config)) if old.get(k) != config.get(k)), "?")
-            ckpt.close()
-            raise ValueError(
-                f"the checkpoint in {str(checkpoint_dir)!r} comes from a different run configuration "
-                f"({diff}: checkpoint {old.get(diff)!r}, now {config.get(diff)!r}); resume it with the same "
-                "settings and data, or use another directory.")
-        state = _from_arrays(arrays, state, DPSGDLedger.from_json(meta["ledger"]))
+    state = _resume(ckpt, state, config, checkpoint_dir, DPSGDLedger)
 
     pdtype = jnp.result_type(*jax.tree.leaves(params0))
     X = jnp.asarray(x, dtype=pdtype)
@@ -176,11 +165,4 @@ def train_dpsgd(model, x, y, x_test, y_test, *, loss_fn, learning_rate, optimize
         if ckpt is not None:
             ckpt.close()
     seconds = time.perf_counter() - t0 - t_acct
-    trained = nnx.merge(graphdef, state.params, rest)
-    report = privacy_report(state.ledger) if account else None
-    if progress and report is not None:
-        print(report.table())
-    test_acc = None
-    if x_test is not None and len(x_test):
-        test_acc = accuracy(trained, np.asarray(x_test, dtype=np.dtype(pdtype)), y_test)
-    return TrainResult(trained, state, report, test_acc, None, history, seconds)
+    return _finish(graphdef, rest, state, account, progress, x_test, y_test, pdtype, None, history, seconds)

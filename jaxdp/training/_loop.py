@@ -645,18 +645,7 @@ def train(
         total_steps=jnp.asarray(total, jnp.int32), max_grad_norm=jnp.zeros((), jnp.float32),
         clipped=jnp.zeros((), jnp.int32), ledger=ledger,
     )
-    if ckpt is not None and ckpt.latest_step() is not None:
-        arrays, meta = ckpt.restore(_like_arrays(state))
-        if meta.get("config") != config:
-            old = meta.get("config") or {}
-            diff = next((k for k in sorted(set(old) | set(config)) if old.get(k) != config.get(k)), "?")
-            ckpt.close()
-            raise ValueError(
-                f"the checkpoint in {str(checkpoint_dir)!r} comes from a different run configuration "
-                f"({diff}: checkpoint {old.get(diff)!r}, now {config.get(diff)!r}); resume it with the same "
-                "settings and data, or use another directory."
-            )
-        state = _from_arrays(arrays, state, PrivacyLedger.from_json(meta["ledger"]))
+    state = _resume(ckpt, state, config, checkpoint_dir, PrivacyLedger)
 
     # ---------------- compiled steps ----------------
     graphdef, _, rest = nnx.split(model, nnx.Param, ...)
@@ -745,6 +734,33 @@ def train(
             ckpt.close()
     seconds = time.perf_counter() - t0 - t_acct
 
+    intermediates = None
+    if return_intermediates and inter:
+        intermediates = jax.tree.map(lambda *a: np.concatenate(a, axis=0), *inter)
+    return _finish(graphdef, rest, state, account, progress, x_test, y_test, pdtype, intermediates, history,
+                   seconds)
+
+
+def _resume(ckpt, state: TrainState, config: dict, checkpoint_dir, ledger_cls) -> TrainState:
+    """``state`` from the latest checkpoint, if any; a checkpoint of another configuration is refused."""
+    if ckpt is None or ckpt.latest_step() is None:
+        return state
+    arrays, meta = ckpt.restore(_like_arrays(state))
+    if meta.get("config") != config:
+        old = meta.get("config") or {}
+        diff = next((k for k in sorted(set(old) | set(config)) if old.get(k) != config.get(k)), "?")
+        ckpt.close()
+        raise ValueError(
+            f"the checkpoint in {str(checkpoint_dir)!r} comes from a different run configuration "
+            f"({diff}: checkpoint {old.get(diff)!r}, now {config.get(diff)!r}); resume it with the same "
+            "settings and data, or use another directory."
+        )
+    return _from_arrays(arrays, state, ledger_cls.from_json(meta["ledger"]))
+
+
+def _finish(graphdef, rest, state, account, progress, x_test, y_test, pdtype, intermediates, history,
+            seconds) -> TrainResult:
+    """The trained model, the final report (printed with ``progress``) and the test accuracy."""
     trained = nnx.merge(graphdef, state.params, rest)
     report = privacy_report(state.ledger) if account else None
     if progress and report is not None:
@@ -752,9 +768,6 @@ def train(
     test_acc = None
     if x_test is not None and len(x_test):
         test_acc = accuracy(trained, np.asarray(x_test, dtype=np.dtype(pdtype)), y_test)
-    intermediates = None
-    if return_intermediates and inter:
-        intermediates = jax.tree.map(lambda *a: np.concatenate(a, axis=0), *inter)
     return TrainResult(trained, state, report, test_acc, intermediates, history, seconds)
 
 
