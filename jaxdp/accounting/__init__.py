@@ -4,10 +4,6 @@ Every function computes in float64 whatever the global ``jax_enable_x64`` flag, 
 over leading batch axes, and runs under ``jax.jit``, ``jax.vmap`` and ``jax.grad``.
 """
 
-from ._contraction import gaussian_hockey_stick as gaussian_hockey_stick
-from ._contraction import gaussian_hockey_stick_complement as gaussian_hockey_stick_complement
-from ._contraction import laplace_hockey_stick as laplace_hockey_stick
-from ._contraction import log_gaussian_hockey_stick as log_gaussian_hockey_stick
 from ._contraction import log_pnsgd_contraction_delta as log_pnsgd_contraction_delta
 from ._contraction import pnsgd_contraction_delta as pnsgd_contraction_delta
 from ._contraction import pnsgd_contraction_epsilon as pnsgd_contraction_epsilon
@@ -15,6 +11,10 @@ from ._contraction import pnsgd_laplace_delta as pnsgd_laplace_delta
 from ._contraction import step_contraction as step_contraction
 from ._contraction import stop_pnsgd_contraction_delta as stop_pnsgd_contraction_delta
 from ._contraction import stop_pnsgd_contraction_epsilon as stop_pnsgd_contraction_epsilon
+from ._hockey_stick import gaussian_hockey_stick as gaussian_hockey_stick
+from ._hockey_stick import gaussian_hockey_stick_complement as gaussian_hockey_stick_complement
+from ._hockey_stick import laplace_hockey_stick as laplace_hockey_stick
+from ._hockey_stick import log_gaussian_hockey_stick as log_gaussian_hockey_stick
 from ._conversion import DeltaResult as DeltaResult
 from ._conversion import EpsilonResult as EpsilonResult
 from ._conversion import rdp_to_delta as rdp_to_delta

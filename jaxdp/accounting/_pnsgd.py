@@ -26,12 +26,11 @@ from ._contraction import (
     _eps_bracket,
     _log_delta_from,
     _log_delta_slope,
-    _log_theta_and_complement,
-    _log_theta_slope,
     _pnsgd_setup,
     _safe_target,
     _solve_eps,
 )
+from ._hockey_stick import _log_theta_and_complement, _log_theta_slope
 from ._iteration import _linear_eps_masked, _pabi_coefficient, _sc_coefficient
 
 __all__ = ["PNSGDPrivacy", "pnsgd_privacy", "calibrate_pnsgd_noise_std"]
@@ -44,6 +43,11 @@ _SC_FORMS = ("proposition1", "shifted")
 _GRID = 2**15 + 1
 _SEARCH_ITERS = 15
 _REFINE_ITERS = 50
+# Safeguarded Newton steps on the exact bound after the Hermite guess (see _contraction_eps_grid).
+_NEWTON_ITERS = 6
+# A Hermite candidate is accepted when its estimated distance to the root is below this
+# (relative); otherwise the whole batch is polished by Newton steps.
+_TIGHT_REL = 1e-10
 _MARGIN_REL = 1e-12
 _MARGIN_ABS = 1e-15
 # Bisection on log σ: the bracket spans 60 octaves and is halved 64 times.
@@ -162,17 +166,58 @@ def _contraction_eps_grid(r_first2, rc, later, sel, log_t):
         return jnp.where(ok, tl, tm), jnp.where(ok, tm, th)
 
     _, t_hi = jax.lax.fori_loop(0, _REFINE_ITERS, refine, (jnp.zeros_like(e0), jnp.ones_like(e0)))
-    cand = e0 + t_hi * w
-    cand = sg(jnp.minimum(cand + _MARGIN_REL * cand + _MARGIN_ABS, e1))
-    # One exact evaluation (with its ε-derivative) certifies the candidate.
     # A select, not r_first2[sel]: a gather's transpose breaks reverse mode with x64 off.
     r_sel = jnp.where(sel == 1, r_first2[1], r_first2[0])
+    r_pair = sg(jnp.stack([r_sel, jnp.broadcast_to(rc, r_sel.shape)], axis=-1))
+
+    def exact(x):
+        """(h(x), h'(x)) of the exact bound (safe target), one evaluation of both θ."""
+        lt, sl = _log_theta_slope(x[..., None], r_pair)
+        tail = jnp.where(has_later, k_s * lt[..., 1], 0.0)
+        dtail = jnp.where(has_later, k_s * sl[..., 1], 0.0)
+        return lt[..., 0] + tail - lt_s, sl[..., 0] + dtail
+
+    # The Hermite root can be far off where log θ bends sharply inside one cell (e.g. a
+    # large first ratio with several passes stretches the grid). Safeguarded Newton on
+    # the exact bound, kept inside the bracket [lo, hi] (h(lo) > 0 ≥ h(hi)), makes the
+    # result exact to float64 precision; a step leaving the bracket is a bisection.
+    def newton(_, state):
+        x, lo_x, hi_x = state
+        h, dh = exact(x)
+        pos_h = h > 0
+        lo_x = jnp.where(pos_h, x, lo_x)
+        hi_x = jnp.where(pos_h, hi_x, x)
+        step = jnp.where(jnp.isfinite(dh) & (dh < 0) & jnp.isfinite(h), h / jnp.where(dh < 0, dh, -1.0), jnp.nan)
+        nxt = x - step
+        inside = (nxt > lo_x) & (nxt < hi_x)
+        return jnp.where(inside, nxt, 0.5 * (lo_x + hi_x)), lo_x, hi_x
+
+    # Common path: the Hermite root plus a margin, certified by one exact evaluation, and
+    # its Hermite slope (for the tightness test and the implicit gradient only).
+    t = t_hi
+    dg = ((6 * t * t - 6 * t) * h0s + (3 * t * t - 4 * t + 1) * d0 + (-6 * t * t + 6 * t) * h1s
+          + (3 * t * t - 2 * t) * d1) / jnp.where(w > 0, w, 1.0)
+    x0 = sg(e0 + t_hi * w)
+    cand = sg(jnp.minimum(x0 + _MARGIN_REL * x0 + _MARGIN_ABS, e1))
     g = _log_delta_from(cand, r_sel, rc, later) - log_t
     certified = sg(g + log_t) <= lt_s
-    # ε-slope for the implicit gradient: the Hermite derivative at the candidate (used for
-    # gradients only, never for the value).
-    t = t_hi
-    dg = ((6 * t * t - 6 * t) * h0s + (3 * t * t - 4 * t + 1) * d0 + (-6 * t * t + 6 * t) * h1s + (3 * t * t - 2 * t) * d1) / jnp.where(w > 0, w, 1.0)
+    # Not tight: not certified, or the Newton distance to the root exceeds the tolerance.
+    dist = jnp.abs(sg(g + log_t - lt_s) / jnp.where(dg < 0, sg(dg), -1.0))
+    loose = (~at_zero) & ((~certified) | ~(dg < 0) | ~(dist <= _TIGHT_REL * cand + _MARGIN_ABS))
+
+    def polish(args):
+        # Safeguarded Newton on the exact bound from the Hermite guess, inside the cell.
+        x_n, _, hi_n = jax.lax.fori_loop(0, _NEWTON_ITERS, newton, (x0, sg(e0), sg(e1)))
+        c2 = sg(jnp.minimum(x_n + _MARGIN_REL * x_n + _MARGIN_ABS, hi_n))
+        c2 = jnp.where(loose, c2, cand)
+        g2 = _log_delta_from(c2, r_sel, rc, later) - log_t
+        _, dg2 = exact(c2)
+        cert2 = sg(g2 + log_t) <= lt_s
+        return c2, g2, jnp.where(loose, dg2, dg), cert2, jnp.where(loose, hi_n, e1)
+
+    cand, g, dg, certified, e1 = jax.lax.cond(
+        jnp.any(loose), polish, lambda args: args, (cand, g, dg, certified, sg(e1))
+    )
     eps0 = sg(jnp.where(at_zero, 0.0, jnp.where(certified, cand, e1)))
     dg = sg(dg)
     use = (~at_zero) & jnp.isfinite(dg) & (dg < 0) & jnp.isfinite(g)

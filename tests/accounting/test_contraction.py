@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from scipy import integrate, optimize, stats
 
 from jaxdp.accounting import _contraction as C
+from jaxdp.accounting import _hockey_stick as H
 from jaxdp.accounting import _iteration as I
 
 # Values printed to 15 significant digits in the notes; float64 evaluation of θ in the
@@ -76,7 +77,7 @@ R_COLS = [0.1, 0.5, 1.0, 2.0, 4.0]
 
 @pytest.mark.parametrize("eps", sorted(THETA_TABLE))
 def test_theta_table_against_notes(eps):
-    got = np.asarray(C.gaussian_hockey_stick(eps, jnp.array(R_COLS)))
+    got = np.asarray(H.gaussian_hockey_stick(eps, jnp.array(R_COLS)))
     for r, g, want in zip(R_COLS, got, THETA_TABLE[eps]):
         if want is None:  # 2.6e-547 underflows float64
             assert g == 0.0
@@ -86,14 +87,14 @@ def test_theta_table_against_notes(eps):
 
 
 def test_theta_hand_values_and_limits():
-    assert float(C.gaussian_hockey_stick(0.0, 1.0)) == pytest.approx(0.382924922548026, rel=1e-14)
-    assert float(C.gaussian_hockey_stick(1.0, 0.0)) == 0.0
-    assert float(C.gaussian_hockey_stick(0.0, 0.0)) == 0.0
-    assert float(C.gaussian_hockey_stick(1.0, jnp.inf)) == 1.0
-    assert float(C.gaussian_hockey_stick(jnp.inf, 1.0)) == 0.0
+    assert float(H.gaussian_hockey_stick(0.0, 1.0)) == pytest.approx(0.382924922548026, rel=1e-14)
+    assert float(H.gaussian_hockey_stick(1.0, 0.0)) == 0.0
+    assert float(H.gaussian_hockey_stick(0.0, 0.0)) == 0.0
+    assert float(H.gaussian_hockey_stick(1.0, jnp.inf)) == 1.0
+    assert float(H.gaussian_hockey_stick(jnp.inf, 1.0)) == 0.0
     # θ_1(r) = erf(r/(2√2)) (total variation), exact at ε = 0.
     for r in [1e-8, 1e-3, 0.3, 3.0]:
-        assert float(C.gaussian_hockey_stick(0.0, r)) == pytest.approx(math.erf(r / (2 * math.sqrt(2))), rel=1e-14)
+        assert float(H.gaussian_hockey_stick(0.0, r)) == pytest.approx(math.erf(r / (2 * math.sqrt(2))), rel=1e-14)
 
 
 @pytest.mark.parametrize(
@@ -108,7 +109,7 @@ def test_theta_hand_values_and_limits():
     ],
 )
 def test_log_theta_deep_tail(eps, r, want):
-    assert float(C.log_gaussian_hockey_stick(eps, r)) == pytest.approx(want, rel=1e-13)
+    assert float(H.log_gaussian_hockey_stick(eps, r)) == pytest.approx(want, rel=1e-13)
 
 
 @pytest.mark.parametrize(
@@ -116,16 +117,16 @@ def test_log_theta_deep_tail(eps, r, want):
     [(0.0, 8.0, 6.33424836662398e-5), (1.0, 8.0, 1.03700427397336e-4), (0.0, 20.0, 1.52397060483211e-23), (1.0, 40.0, 9.07709428974362e-89)],
 )
 def test_complement_large_r(eps, r, want):
-    assert float(C.gaussian_hockey_stick_complement(eps, r)) == pytest.approx(want, rel=RTOL_12)
+    assert float(H.gaussian_hockey_stick_complement(eps, r)) == pytest.approx(want, rel=RTOL_12)
 
 
 def test_theta_random_points_against_mpmath_and_quadrature():
     rng = np.random.default_rng(0)
     eps = rng.uniform(0.0, 6.0, 40)
     r = np.exp(rng.uniform(np.log(0.05), np.log(8.0), 40))
-    got = np.asarray(C.gaussian_hockey_stick(eps, r))
-    got_log = np.asarray(C.log_gaussian_hockey_stick(eps, r))
-    got_c = np.asarray(C.gaussian_hockey_stick_complement(eps, r))
+    got = np.asarray(H.gaussian_hockey_stick(eps, r))
+    got_log = np.asarray(H.log_gaussian_hockey_stick(eps, r))
+    got_c = np.asarray(H.gaussian_hockey_stick_complement(eps, r))
     for e, rr, g, gl, gc in zip(eps, r, got, got_log, got_c):
         ref = theta_mp(e, rr)
         assert gl == pytest.approx(float(mp.log(ref)), rel=1e-12, abs=1e-12)
@@ -137,8 +138,8 @@ def test_theta_random_points_against_mpmath_and_quadrature():
 
 
 def test_theta_derivatives_match_identities():
-    d_r = jax.grad(C.gaussian_hockey_stick, argnums=1)
-    d_e = jax.grad(C.gaussian_hockey_stick, argnums=0)
+    d_r = jax.grad(H.gaussian_hockey_stick, argnums=1)
+    d_e = jax.grad(H.gaussian_hockey_stick, argnums=0)
     for (e, r), want in [((0.5, 1.0), 0.398942280401), ((1.0, 2.0), 0.352065326764), ((0.0, 1.0), 0.352065326764), ((2.0, 0.5), 3.52595682367e-4)]:
         assert float(d_r(e, r)) == pytest.approx(want, rel=RTOL_12)
     for (e, r), want in [((0.5, 1.0), -0.261578291865), ((1.0, 2.0), -0.181600801219), ((2.0, 0.5), -7.89781165659e-5)]:
@@ -150,7 +151,7 @@ def test_theta_derivatives_match_identities():
     e, r = 1.0, 0.01
     b = e / r + r / 2
     want = -float(mp.e**e * mp.ncdf(-b) / theta_mp(e, r))
-    assert float(jax.grad(C.log_gaussian_hockey_stick)(e, r)) == pytest.approx(want, rel=1e-9)
+    assert float(jax.grad(H.log_gaussian_hockey_stick)(e, r)) == pytest.approx(want, rel=1e-9)
 
 
 @pytest.mark.parametrize(
@@ -158,7 +159,7 @@ def test_theta_derivatives_match_identities():
     [(0.0, 1.0, 1.0, 0.393469340287367), (0.5, 1.0, 1.0, 0.221199216928595), (1.0, 3.0, 1.0, 0.632120558828558), (0.2, 0.5, 0.25, 0.593430340259401), (2.0, 1.0, 1.0, 0.0)],
 )
 def test_laplace_lemma1(eps, shift, scale, want):
-    got = float(C.laplace_hockey_stick(eps, shift, scale))
+    got = float(H.laplace_hockey_stick(eps, shift, scale))
     assert got == pytest.approx(want, rel=1e-14, abs=0.0)
     # Quadrature of ∫[p − e^ε q]_+ for Laplace densities.
     p = lambda x: math.exp(-abs(x - shift) / scale) / (2 * scale)  # noqa: E731
@@ -318,8 +319,8 @@ def test_theta_gradient_at_the_origin_is_the_one_sided_slope():
     """θ(0, r) = erf(r/(2√2)): slope 1/√(2π) at r = 0 (one-sided; r ≥ 0). For ε > 0, θ is
     flat at r = 0, and θ(ε, 0) = 0 for every ε, so ∂θ/∂ε = 0 there."""
     with jax.enable_x64(True):
-        d_r = jax.grad(C.gaussian_hockey_stick, 1)
-        d_e = jax.grad(C.gaussian_hockey_stick, 0)
+        d_r = jax.grad(H.gaussian_hockey_stick, 1)
+        d_e = jax.grad(H.gaussian_hockey_stick, 0)
         want = 1.0 / math.sqrt(2.0 * math.pi)
         assert float(d_r(0.0, 0.0)) == pytest.approx(want, rel=1e-14)
         # One-sided finite difference from the closed form erf(h/(2√2))/h.
@@ -351,13 +352,13 @@ def test_eager_errors_name_the_parameter():
     with pytest.raises(ValueError, match="contraction"):
         C.pnsgd_contraction_delta(1.0, 1, 40, 1.0, 1.0, 0.5, 1.0, 1.5)
     with pytest.raises(ValueError, match="epsilon"):
-        C.gaussian_hockey_stick(-1.0, 1.0)
+        H.gaussian_hockey_stick(-1.0, 1.0)
     with pytest.raises(ValueError, match="delta"):
         C.pnsgd_contraction_epsilon(1.0, 1, 40, **args)
     with pytest.raises(ValueError, match="num_records"):
         C.stop_pnsgd_contraction_delta(0.0, 2.5, 1.0, 1.0, 0.5, 1.0)
     with pytest.raises(ValueError, match="scale"):
-        C.laplace_hockey_stick(1.0, 1.0, 0.0)
+        H.laplace_hockey_stick(1.0, 1.0, 0.0)
 
 
 def test_invalid_inputs_under_jit_give_nan_and_valid_ones_agree():
@@ -370,7 +371,7 @@ def test_invalid_inputs_under_jit_give_nan_and_valid_ones_agree():
     assert np.isnan(float(g(1.5, 1, 40, 1.0, 1.0, 0.5, 1.0, 1.0)))
     # jit and eager agree on valid inputs (eager runs its own jitted core).
     assert float(g(1e-5, 39, 40, 1.0, 2.0, 0.5, 1.0, 1.0)) == float(C.pnsgd_contraction_epsilon(1e-5, 39, 40, **FIG2))
-    assert np.isnan(float(jax.jit(C.gaussian_hockey_stick)(-1.0, 1.0)))
+    assert np.isnan(float(jax.jit(H.gaussian_hockey_stick)(-1.0, 1.0)))
 
 
 @settings(max_examples=25, deadline=None)
@@ -472,3 +473,54 @@ def test_step_contraction_bounds_gradient_step_of_quadratics():
         lam = np.concatenate([[rho, beta], rng.uniform(rho, beta, 8)])
         exact = float(np.max(np.abs(1.0 - eta * lam)))
         assert exact <= float(C.step_contraction(eta, beta, rho)) * (1 + 1e-12) + 1e-15
+
+
+# Relative tolerance for ε from an mpmath inversion: the jaxdp value is rounded up by at
+# most the 1e-12 safety margin on log δ divided by the slope, far below this.
+EPS_INV_RTOL = 1e-9
+
+
+def _stop_delta_mp(eps, n, r1, rc, position):
+    """Theorem 5 with the exact sum, at 50 digits: θ1/n · Σ_{k<K} θc^k (θc via 1 − (1 − θc))."""
+    k = n - position + 1
+    t1 = theta_mp(eps, r1)
+    tc = 1 - one_minus_theta_mp(eps, rc)
+    total = mp.fsum(tc**j for j in range(k))
+    return min(t1 * total / n, mp.mpf(1))
+
+
+def _stop_eps_mp(delta, n, r1, rc, position):
+    lo, hi = mp.mpf(0), mp.mpf(60)
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        if _stop_delta_mp(mid, n, r1, rc, position) <= delta:
+            hi = mid
+        else:
+            lo = mid
+    return float(hi)
+
+
+@pytest.mark.parametrize(
+    "delta,n,lip,sig,eta,dia,position",
+    [
+        (1e-5, 10, 1.0, 1.0, 1.0, 80.0, 10),  # r_c = 80: 1 − θ_c ≈ e^{-804} (was 30.49)
+        (1e-5, 10, 1.0, 1.0, 1.0, 80.0, 1),
+        (1e-5, 10, 1.0, 1.0, 1.0, 80.0, 5),
+        (1e-5, 200, 1.0, 2.0, 0.5, 40.0, 3),  # r_c = 40
+        (1e-5, 50, 1.0, 1.0, 0.1, 10.0, 7),  # r_c = 100
+        (1e-3, 40, 1.0, 2.0, 0.5, 1.0, 3),  # small r_c: the ordinary branch
+    ],
+)
+def test_stop_epsilon_with_position_against_mpmath(delta, n, lip, sig, eta, dia, position):
+    """Theorem 5 with a given position where 1 − θ_c underflows as a number (r_c ≥ 75)."""
+    want = _stop_eps_mp(delta, n, 2 * lip / sig, dia / (eta * sig), position)
+    got = float(C.stop_pnsgd_contraction_epsilon(delta, n, lip, sig, eta, dia, 1.0, positions=position))
+    assert got >= want * (1 - 1e-13)  # never below the exact ε
+    assert got == pytest.approx(want, rel=EPS_INV_RTOL)
+    d = float(C.stop_pnsgd_contraction_delta(want, n, lip, sig, eta, dia, 1.0, positions=position))
+    assert d == pytest.approx(float(_stop_delta_mp(want, n, 2 * lip / sig, dia / (eta * sig), position)), rel=1e-10)
+
+
+def test_stop_epsilon_regression_value():
+    got = float(C.stop_pnsgd_contraction_epsilon(1e-5, 10, 1.0, 1.0, 1.0, 80.0, 1.0, positions=10))
+    assert got == pytest.approx(8.8769, abs=1e-4)

@@ -228,3 +228,38 @@ def test_inconsistent_arguments_rejected_eagerly():
                                     num_records=10, batch_size=11)
     with pytest.raises(ValueError, match="positions must be ≤ num_records"):
         C.stop_pnsgd_contraction_delta(1.0, 10, 1.0, 1.0, 0.5, 1.0, positions=11)
+
+
+def _contraction_eps_mp(delta, r_first, rc, later):
+    """ε with log θ(ε, r_first) + later·log θ(ε, rc) = log δ, by 50-digit bisection."""
+    mp.mp.dps = 50
+
+    def theta(e, r):
+        return mp.ncdf(-(e / r - r / 2)) - mp.e**e * mp.ncdf(-(e / r + r / 2))
+
+    def log_d(e):
+        return mp.log(theta(e, r_first)) + (later * mp.log(theta(e, rc)) if later else 0)
+
+    lo, hi = mp.mpf(0), mp.mpf(5000)
+    for _ in range(110):
+        mid = (lo + hi) / 2
+        if log_d(mid) <= mp.log(delta):
+            hi = mid
+        else:
+            lo = mid
+    return float(hi)
+
+
+def test_grid_inversion_exact_where_hermite_fails():
+    """Two passes with a large first ratio stretch the shared grid (cells of width 0.084):
+    the Hermite root used to fail its check and return the cell's end (up to +148%)."""
+    run = dict(lipschitz=4.783690154056197, smoothness=0.1332598003584945, learning_rate=9.204485757132925,
+               noise_std=0.1413330135869621, diameter=1.8781907779682292, delta=1.1623403297716578e-06,
+               num_records=1333, passes=2)
+    pos = np.array([1300, 1312, 1315, 1320, 1333])
+    got = np.asarray(P.pnsgd_privacy(**run, positions=pos).contraction)
+    r1, rc = 2 * run["lipschitz"] / run["noise_std"], run["diameter"] / (run["learning_rate"] * run["noise_std"])
+    for i, g in zip(pos, got):
+        want = _contraction_eps_mp(run["delta"], r1 + rc, rc, 1333 - int(i))
+        assert g >= want * (1 - 1e-13) - 1e-20, i  # never below the exact ε (bisection resolution 4e-30)
+        assert g == pytest.approx(want, rel=1e-9, abs=1e-12), i
