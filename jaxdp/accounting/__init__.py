@@ -11,10 +11,6 @@ from ._contraction import pnsgd_laplace_delta as pnsgd_laplace_delta
 from ._contraction import step_contraction as step_contraction
 from ._contraction import stop_pnsgd_contraction_delta as stop_pnsgd_contraction_delta
 from ._contraction import stop_pnsgd_contraction_epsilon as stop_pnsgd_contraction_epsilon
-from ._hockey_stick import gaussian_hockey_stick as gaussian_hockey_stick
-from ._hockey_stick import gaussian_hockey_stick_complement as gaussian_hockey_stick_complement
-from ._hockey_stick import laplace_hockey_stick as laplace_hockey_stick
-from ._hockey_stick import log_gaussian_hockey_stick as log_gaussian_hockey_stick
 from ._conversion import DeltaResult as DeltaResult
 from ._conversion import EpsilonResult as EpsilonResult
 from ._conversion import rdp_to_delta as rdp_to_delta
@@ -38,6 +34,10 @@ from ._events import pnsgd_record_epsilon as pnsgd_record_epsilon
 from ._events import rdp as rdp
 from ._events import register_accountant as register_accountant
 from ._events import relation_of as relation_of
+from ._hockey_stick import gaussian_hockey_stick as gaussian_hockey_stick
+from ._hockey_stick import gaussian_hockey_stick_complement as gaussian_hockey_stick_complement
+from ._hockey_stick import laplace_hockey_stick as laplace_hockey_stick
+from ._hockey_stick import log_gaussian_hockey_stick as log_gaussian_hockey_stick
 from ._iteration import linear_rdp_delta as linear_rdp_delta
 from ._iteration import linear_rdp_epsilon as linear_rdp_epsilon
 from ._iteration import pnsgd_iteration_rdp as pnsgd_iteration_rdp

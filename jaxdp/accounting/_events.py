@@ -38,13 +38,13 @@ import numpy as np
 from .. import _validate
 from .._numerics import f64, float64
 from ._contraction import (
-    gaussian_hockey_stick,
     pnsgd_contraction_delta,
     step_contraction,
     stop_pnsgd_contraction_delta,
     stop_pnsgd_contraction_epsilon,
 )
 from ._conversion import rdp_to_delta, rdp_to_epsilon
+from ._hockey_stick import gaussian_hockey_stick
 from ._iteration import linear_rdp_delta, pnsgd_iteration_rdp, stop_pnsgd_iteration_rdp
 from ._pnsgd import pnsgd_privacy
 from ._rdp import DEFAULT_ORDERS, gaussian_rdp, laplace_rdp, sampled_gaussian_rdp

@@ -28,7 +28,7 @@ from .._numerics import f64, float64
 from .._validate import nan_unless as _nan_unless
 
 # The one place this module takes the exact Gaussian hockey-stick divergence from.
-from ._contraction import log_gaussian_hockey_stick as _log_theta
+from ._hockey_stick import log_gaussian_hockey_stick as _log_theta
 
 __all__ = [
     "laplace_mechanism",
