@@ -277,17 +277,22 @@ def test_float32_boundary_caveat():
 
 
 def test_static_arguments_pass_through_under_transformations():
-    """Strings, tuples of orders and concrete ints stay untouched; eager validation still raises."""
+    """Strings, tuples of orders and concrete numbers stay untouched; eager validation still raises."""
+    def eps(c, delta=1e-5, method="classic"):
+        return A.rdp_to_epsilon(_rdp_curve(c), ORD, delta, method=method).epsilon
+
     with jax.enable_x64(False):
-        out = jax.vmap(jax.jit(lambda s: A.dpsgd_epsilon(0.01, s, 1000, 1e-5, ORD, method="classic")))(
-            jnp.array([1.0, 2.0]))
+        out = jax.vmap(jax.jit(eps))(jnp.array([0.125, 0.25]))
         assert out.dtype == jnp.float64
+        # Classic conversion of (α, cα·{1, 2, 4}): min over α of ρ(α) + log(1/δ)/(α − 1), closed form.
+        want = [min(c * r * a + np.log(1e5) / (a - 1) for a, r in zip(ORD, (1, 2, 4))) for c in (0.125, 0.25)]
+        np.testing.assert_allclose(np.asarray(out), want, rtol=RTOL_VALUE)
         with pytest.raises(ValueError, match="method"):
-            jax.jit(lambda s: A.dpsgd_epsilon(0.01, s, 1000, 1e-5, ORD, method="nope"))(1.0)
+            jax.jit(lambda c: eps(c, method="nope"))(0.125)
         with pytest.raises(ValueError, match="delta"):
-            jax.vmap(lambda s: A.dpsgd_epsilon(0.01, s, 1000, 2.0, ORD))(jnp.array([1.0, 2.0]))
+            jax.vmap(lambda c: eps(c, delta=2.0))(jnp.array([0.125, 0.25]))
         # Invalid traced values give NaN, never a finite ε.
-        bad = jax.vmap(jax.jit(lambda d: A.dpsgd_epsilon(0.01, 1.0, 1000, d, ORD)))(jnp.array([1e-5, 2.0]))
+        bad = jax.vmap(jax.jit(lambda d: eps(0.125, delta=d)))(jnp.array([1e-5, 2.0]))
         assert np.isfinite(bad[0]) and np.isnan(bad[1])
 
 
