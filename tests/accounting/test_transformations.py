@@ -284,8 +284,8 @@ def test_static_arguments_pass_through_under_transformations():
     with jax.enable_x64(False):
         out = jax.vmap(jax.jit(eps))(jnp.array([0.125, 0.25]))
         assert out.dtype == jnp.float64
-        # Classic conversion of (α, cα·{1, 2, 4}): min over α of ρ(α) + log(1/δ)/(α − 1), closed form.
-        want = [min(c * r * a + np.log(1e5) / (a - 1) for a, r in zip(ORD, (1, 2, 4))) for c in (0.125, 0.25)]
+        # Classic conversion (Mironov 2017, Prop. 3) of the curve c·(1, 2, 4): min over α of ρ(α) + log(1/δ)/(α − 1).
+        want = [min(c * r + np.log(1e5) / (a - 1) for a, r in zip(ORD, (1, 2, 4))) for c in (0.125, 0.25)]
         np.testing.assert_allclose(np.asarray(out), want, rtol=RTOL_VALUE)
         with pytest.raises(ValueError, match="method"):
             jax.jit(lambda c: eps(c, method="nope"))(0.125)
