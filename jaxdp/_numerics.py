@@ -20,18 +20,109 @@ F = TypeVar("F", bound=Callable)
 _LOG_2PI_HALF = 0.5 * math.log(2.0 * math.pi)
 
 
-def float64(fn: F) -> F:
-    """Run ``fn`` with 64-bit JAX types enabled, whatever the user's global flag says.
+def _x64_enabled() -> bool:
+    """Whether 64-bit types are enabled here (the global flag or an ``enable_x64`` scope)."""
+    return jax.dtypes.canonicalize_dtype(np.float64) == np.float64
 
-    ``jax.enable_x64(True)`` is a context manager that also works while an outer ``jit``
-    traces the function, so the accountants compute and return float64 even when the
-    caller runs in the default float32 mode.
+
+def _in_x64(fn: Callable) -> Callable:
+    """``fn`` with its body run inside ``jax.enable_x64(True)``."""
+
+    def run(*args):
+        with jax.enable_x64(True):
+            return fn(*args)
+
+    return run
+
+
+def _call_guarded(fn: Callable, args: list) -> object:
+    """``fn(*args)`` in the float64 scope, staged so that JAX's later rules re-enter it.
+
+    ``fn`` takes the traced leaves only (everything concrete is closed over). With no tracer
+    among ``args`` the body simply runs in the scope. Otherwise the call is wrapped in a
+    ``custom_jvp`` (outside) around a ``custom_vmap`` (inside), whose rules run again in the
+    scope; see :func:`float64`.
+    """
+    if not any(isinstance(a, jax.core.Tracer) for a in args):
+        return _in_x64(fn)(*args)
+    return _guarded(fn)(*args)
+
+
+def _guarded(fn: Callable) -> Callable:
+    body = _in_x64(fn)
+
+    @jax.custom_batching.custom_vmap
+    def batchable(*args):
+        return body(*args)
+
+    @batchable.def_vmap
+    def _vmap_rule(axis_size, in_batched, *args):
+        in_axes = [0 if b else None for b in in_batched]
+        batched = jax.vmap(fn, in_axes=in_axes, axis_size=axis_size)
+        # The batched function is guarded again, so that a further vmap, jit or grad of the
+        # result also runs its rules in the scope (one wrapper per level, built lazily).
+        out = _call_guarded(batched, list(args))
+        return out, jax.tree_util.tree_map(lambda _: True, out)
+
+    @jax.custom_jvp
+    def differentiable(*args):
+        return batchable(*args)
+
+    @differentiable.defjvp
+    def _jvp_rule(primals, tangents):
+        # Linearised inside the scope. Reverse mode transposes the resulting linear program
+        # outside it, which the library keeps safe (see :func:`take`). custom_vmap cannot be
+        # transposed, so the tangent is not routed through ``batchable``.
+        with jax.enable_x64(True):
+            return jax.jvp(fn, primals, tangents)
+
+    return differentiable
+
+
+def float64(fn: F) -> F:
+    r"""Run ``fn`` with 64-bit JAX types enabled, whatever the user's x64 flag says.
+
+    ``jax.enable_x64(True)`` alone covers a call that is traced or run directly. It does
+    not cover JAX rules applied later to an already traced program: ``vmap(jit(f))``
+    batches, and ``grad(jit(f))`` differentiates, the equations of ``f`` under the caller's
+    x64-off setting, where rules create float32 constants next to float64 operands
+    (``TypeError: lax.mul requires arguments to have the same dtypes``). So:
+
+    * with x64 already enabled (the global flag, a user's scope, or our own scope when one
+      accountant calls another), ``fn`` is called directly: nothing can go wrong;
+    * else the arguments are split into pytree leaves that are JAX tracers and everything
+      else (Python and NumPy numbers, concrete arrays, tuples of orders, strings); the
+      latter are passed through untouched, so eager validation and static choices behave
+      as before. With no tracer, ``fn`` runs in the scope;
+    * with tracers, ``fn`` of the traced leaves is wrapped in a ``jax.custom_jvp`` whose
+      rule takes ``jax.jvp`` of it inside the scope, around a
+      ``jax.custom_batching.custom_vmap`` whose rule vmaps it inside the scope (and wraps
+      the batched function the same way, for nested ``vmap``). Every later transformation
+      of the staged call therefore runs through a rule that re-enters the scope.
+
+    Dtype policy (docs/dtype_policy.md): values are float64 in every form; a gradient has
+    the dtype of the argument it is taken with respect to (JAX's rule), computed in
+    float64 and rounded once to that dtype.
     """
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with jax.enable_x64(True):
+        if _x64_enabled():
             return fn(*args, **kwargs)
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        traced = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.core.Tracer)]
+        if not traced:
+            with jax.enable_x64(True):
+                return fn(*args, **kwargs)
+
+        def of_traced(*values):
+            full = list(leaves)
+            for i, v in zip(traced, values):
+                full[i] = v
+            a, k = jax.tree_util.tree_unflatten(treedef, full)
+            return fn(*a, **k)
+
+        return _call_guarded(of_traced, [leaves[i] for i in traced])
 
     return wrapper  # type: ignore[return-value]
 

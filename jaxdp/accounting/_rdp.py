@@ -268,9 +268,11 @@ def _log_am1_fractional(p: _FracPlan, q, log_q, log_1mq, sigma, z0):
     # B2 = (1-q)^α - 1 + αq ≥ 0: binomial series when αq is small, else direct.
     use_series = aq <= _B2_SERIES_MAX_AQ
     # q^(k-2) for k = 2, 3, ... is shared by all orders: 32 exps per configuration, then
-    # one small matrix product with the coefficients C(α,k)(-1)^k.
+    # one small contraction with the coefficients C(α,k)(-1)^k. A product and a sum, not `@`:
+    # reverse mode transposes this outside the float64 scope, where a dot's requested float64
+    # accumulation is truncated to float32 (JAX warns); a sum keeps the cotangent's dtype.
     powers = jnp.exp(lq * np.arange(_B2_TERMS, dtype=np.float64))  # (..., K)
-    b2_series = qq**2 * (powers @ p.b2_coef.T)
+    b2_series = qq**2 * jnp.sum(powers[..., None, :] * p.b2_coef, axis=-1)
     b2 = jnp.where(use_series, b2_series, jnp.expm1(alpha * l1q) + aq)
     log_p3 = ln_zs + jnp.log(jnp.maximum(b2, 1e-300))
     log_p4 = log_aq + ln_zs1 + jnp.log(-jnp.expm1((alpha - 1.0) * l1q))

@@ -1,0 +1,316 @@
+"""Every public accountant in every cell of the transformation matrix, x64 flag off and on.
+
+Forms: ``f``, ``jit(f)``, ``vmap(f)``, ``jit(vmap(f))``, ``vmap(jit(f))``, a ``lax.scan`` body,
+``grad(f)``, ``vmap(grad(f))``, ``grad(jit(f))``, ``jit(grad(f))``. The dtype policy checked
+(docs/dtype_policy.md): values are float64 in every cell; a gradient has the dtype of the
+argument it is taken with respect to (float32 with x64 off, float64 with it on).
+
+References: values and gradients of each form are compared with the eager function evaluated
+at the same input in float64 (with x64 off at the float32-rounded input, since the user's own
+``jit``/``vmap``/``scan`` boundary rounds a Python float to float32); that eager reference is
+itself anchored to central differences for the gradient here and to independent references
+(mpmath, dp_accounting, closed forms) in the other test files.
+
+Regression: with x64 off, ``vmap(jit(f))`` and ``grad(jit(f))`` raised ``TypeError: lax.mul
+requires arguments to have the same dtypes, got float64, float32``.
+
+Call the accountants positionally where possible: keyword names are being renamed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxdp.accounting as A
+
+# Few orders, one integer and two fractional (both series paths of the sampled Gaussian),
+# so that each form compiles quickly.
+ORD = (2.0, 3.5, 8.0)
+
+
+def _rdp_curve(x):
+    # The user's own arithmetic runs in the user's dtype: with x64 off, x * 3.5 would be
+    # rounded to float32 before the accountant sees it. Powers of two keep it exact. (Also
+    # not x * np.asarray(...): with jax 0.10.2 an eager multiply by a NumPy float64 array
+    # under x64 on, after the same multiply ran under x64 off, fails with
+    # RuntimeProgramInputMismatch, a JAX issue unrelated to jaxdp.)
+    return (x, 2.0 * x, 4.0 * x)
+
+
+def _fn(*names):
+    """The first of ``names`` that jaxdp.accounting exports (names are being renamed)."""
+    for n in names:
+        if hasattr(A, n):
+            return n, getattr(A, n)
+    raise AttributeError(names)
+
+
+def _kw(fn, **kwargs):
+    """Keyword arguments whose key may list alternative spellings, ``"lr|learning_rate"``."""
+    params = inspect.signature(fn).parameters
+    out = {}
+    for key, value in kwargs.items():
+        names = key.split("|")
+        out[next((n for n in names if n in params), names[-1])] = value
+    return out
+
+
+_PNSGD_RUN = {"lipschitz": 1.0, "smoothness": 1.0, "lr|learning_rate": 0.5, "diameter": 1.0,
+              "steps|num_steps|num_records": 40}
+
+
+def _pnsgd_privacy(x):
+    fn = A.pnsgd_privacy
+    return fn(**_kw(fn, **_PNSGD_RUN, noise_std=x, delta=1e-5, positions=np.array([39.0]))).best[0]
+
+
+def _calibrate_pnsgd(x):
+    fn = A.calibrate_pnsgd_noise_std
+    return fn(x, 1e-5, **_kw(fn, **_PNSGD_RUN, **{"position|positions": 39.0}))
+
+
+_CAL_NAME, _CAL = _fn("calibrate_noise_multiplier", "calibrate_sigma")
+
+# name -> (one-scalar-argument function returning a scalar, point x0). Points are chosen away
+# from kinks (argmin switches between orders) so that derivatives are smooth there.
+CASES = {
+    "log_gaussian_hockey_stick": (lambda x: A.log_gaussian_hockey_stick(1.0, x), 1.3),
+    "gaussian_hockey_stick": (lambda x: A.gaussian_hockey_stick(1.0, x), 1.3),
+    "gaussian_hockey_stick_complement": (lambda x: A.gaussian_hockey_stick_complement(1.0, x), 1.3),
+    "laplace_hockey_stick": (lambda x: A.laplace_hockey_stick(1.0, x, 1.0), 1.3),
+    "step_contraction": (lambda x: A.step_contraction(x, 2.0, 1.0), 0.3),
+    "log_pnsgd_contraction_delta": (lambda x: A.log_pnsgd_contraction_delta(1.0, 39, 40, 1.0, x, 0.5, 1.0), 1.3),
+    "pnsgd_contraction_delta": (lambda x: A.pnsgd_contraction_delta(1.0, 39, 40, 1.0, x, 0.5, 1.0), 1.3),
+    "pnsgd_contraction_epsilon": (lambda x: A.pnsgd_contraction_epsilon(1e-5, 39, 40, 1.0, x, 0.5, 1.0), 1.3),
+    "pnsgd_laplace_delta": (lambda x: A.pnsgd_laplace_delta(1.0, 39, 40, 1.0, x, 0.5, 1.0), 1.3),
+    "stop_pnsgd_contraction_delta": (lambda x: A.stop_pnsgd_contraction_delta(1.0, 40, 1.0, x, 0.5, 1.0), 1.3),
+    "stop_pnsgd_contraction_epsilon": (lambda x: A.stop_pnsgd_contraction_epsilon(1e-5, 40, 1.0, x, 0.5, 1.0), 1.3),
+    "rdp_to_epsilon": (lambda x: A.rdp_to_epsilon(_rdp_curve(x), ORD, 1e-5).epsilon, 0.13),
+    "rdp_to_delta": (lambda x: A.rdp_to_delta(_rdp_curve(x), ORD, 1.0).delta, 0.13),
+    _CAL_NAME: (lambda x: _CAL(x, 0.01, 1000, 1e-5, ORD)[0], 1.3),
+    "dpsgd_epsilon": (lambda x: A.dpsgd_epsilon(0.01, x, 1000, 1e-5, ORD), 1.3),
+    "schedule_epsilon": (lambda x: A.schedule_epsilon((0.01, 0.02), (x, 2.0 * x), (1000.0, 500.0), 1e-5, ORD), 1.3),
+    "linear_rdp_epsilon": (lambda x: A.linear_rdp_epsilon(x, 1e-5), 0.13),
+    "linear_rdp_delta": (lambda x: A.linear_rdp_delta(1.0, x), 0.13),
+    "pnsgd_iteration_rdp": (lambda x: A.pnsgd_iteration_rdp(ORD, 1, 40, 1.0, x)[-1], 1.3),
+    "skip_pnsgd_iteration_rdp": (lambda x: A.skip_pnsgd_iteration_rdp(ORD, 1, 40, 1.0, x)[-1], 1.3),
+    # The harmonic form needs σ ≥ L √(2α(α−1)) ≈ 10.6 at α = 8.
+    "stop_pnsgd_iteration_rdp": (lambda x: A.stop_pnsgd_iteration_rdp(ORD, 40, 1.0, x)[-1], 13.0),
+    "strongly_convex_iteration_rdp": (
+        lambda x: A.strongly_convex_iteration_rdp(ORD, 1, 40, 1.0, x, 0.9)[-1], 1.3),
+    "pnsgd_privacy": (_pnsgd_privacy, 1.3),
+    "calibrate_pnsgd_noise_std": (_calibrate_pnsgd, 1.3),
+    "gaussian_rdp": (lambda x: A.gaussian_rdp(ORD, x)[-1], 1.3),
+    "sampled_gaussian_rdp": (lambda x: A.sampled_gaussian_rdp(ORD, 0.02, x)[-1], 1.3),
+    "heterogeneous_rdp": (lambda x: A.heterogeneous_rdp(ORD, (0.01, 0.02), (x, 2.0 * x), (100.0, 200.0))[-1], 1.3),
+}
+NAMES = list(CASES)
+
+# Values: after the argument has crossed the user's boundary, the body runs in float64 in
+# every form; forms differ only by XLA's fusion and reassociation choices (a few ulp,
+# amplified by at most a few orders of magnitude in the log-space sums and the bisections).
+RTOL_VALUE = 1e-12
+# Gradients with x64 off are float32 (the argument's dtype): the float64 gradient rounded
+# once, 2^-24 relative, plus the ulps of the float64 computation. Two float32 ulps.
+RTOL_GRAD_X32 = 2.0**-23
+RTOL_GRAD_X64 = 1e-12
+# Central differences in float64 with h = 1e-5·x: truncation O(h²·f‴/f′) ≈ 1e-10 and
+# rounding ≈ 1e-16/h ≈ 1e-11 relative. Against a float32 gradient: its 2 ulps plus 1e-8.
+RTOL_FD = 1e-8
+RTOL_GRAD_X32_FD = RTOL_GRAD_X32 + RTOL_FD
+
+
+def _round(x, x64: bool) -> float:
+    """The value a Python float ``x`` takes after crossing a JAX boundary in that mode."""
+    return float(x) if x64 else float(np.float32(x))
+
+
+def _points(name) -> np.ndarray:
+    x0 = CASES[name][1]
+    return np.array([x0, 1.25 * x0])
+
+
+_CACHE: dict = {}
+
+
+def _cached(key, compute):
+    if key not in _CACHE:
+        _CACHE[key] = compute()
+    return _CACHE[key]
+
+
+def _value(name, x: float) -> float:
+    """Eager float64 value (x64 on: no rounding anywhere)."""
+    def compute():
+        with jax.enable_x64(True):
+            return float(CASES[name][0](float(x)))
+    return _cached(("value", name, x), compute)
+
+
+def _fd(name, x: float) -> float:
+    """Central difference of the eager float64 function: the independent gradient reference."""
+    h = 1e-5 * x
+    return (_value(name, x + h) - _value(name, x - h)) / (2 * h)
+
+
+def _grad(name, x: float) -> float:
+    """Eager float64 gradient (x64 on)."""
+    def compute():
+        with jax.enable_x64(True):
+            return float(jax.grad(CASES[name][0])(float(x)))
+    return _cached(("grad", name, x), compute)
+
+
+def _jitted(name, x64):
+    """One ``jit(f)`` per accountant and mode, shared by the forms (traced once)."""
+    return _cached(("jit", name, x64), lambda: jax.jit(CASES[name][0]))
+
+
+def _forms(name, x64):
+    """The transformation matrix: form -> (callable of a 1-D array of points, is_gradient)."""
+    f = CASES[name][0]
+    jf = _jitted(name, x64)
+
+    def each(g):
+        return lambda xs: jnp.stack([g(float(x)) for x in xs])
+
+    def scan(xs):
+        return jax.lax.scan(lambda c, x: (c, f(x)), 0.0, jnp.asarray(xs))[1]
+
+    return {
+        "f": (each(f), False),
+        "jit": (each(jf), False),
+        "vmap": (lambda xs: jax.vmap(f)(jnp.asarray(xs)), False),
+        "jit_vmap": (lambda xs: jax.jit(jax.vmap(f))(jnp.asarray(xs)), False),
+        "vmap_jit": (lambda xs: jax.vmap(jf)(jnp.asarray(xs)), False),
+        "scan": (scan, False),
+        "grad": (each(jax.grad(f)), True),
+        "vmap_grad": (lambda xs: jax.vmap(jax.grad(f))(jnp.asarray(xs)), True),
+        "grad_jit": (each(jax.grad(jf)), True),
+        "jit_grad": (each(jax.jit(jax.grad(f))), True),
+    }
+
+
+FORMS = ("f", "jit", "vmap", "jit_vmap", "vmap_jit", "scan", "grad", "vmap_grad", "grad_jit", "jit_grad")
+
+
+def _check_cell(name, form, x64, grad_reference="eager"):
+    run, is_grad = _forms(name, x64)[form]
+    xs = _points(name)
+    # An eager Python float is not rounded; everything that crosses a JAX boundary is.
+    seen = [float(x) if form == "f" else _round(x, x64) for x in xs]
+    with jax.enable_x64(x64):
+        out = run(xs)
+    if not is_grad:
+        assert out.dtype == jnp.float64, (name, form, out.dtype)
+        np.testing.assert_allclose(np.asarray(out), [_value(name, x) for x in seen], rtol=RTOL_VALUE, atol=0)
+        return
+    assert out.dtype == (jnp.float64 if x64 else jnp.float32), (name, form, out.dtype)
+    if grad_reference == "fd":
+        want, rtol = [_fd(name, x) for x in seen], (RTOL_FD if x64 else RTOL_GRAD_X32_FD)
+    else:
+        want, rtol = [_grad(name, x) for x in seen], (RTOL_GRAD_X64 if x64 else RTOL_GRAD_X32)
+    np.testing.assert_allclose(np.asarray(out, dtype=np.float64), want, rtol=rtol, atol=1e-300)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_vmap_jit_and_grad_jit_with_x64_off(name):
+    """Every accountant in the cells that used to raise, against float64 values and central
+    differences (the eager float64 gradient would cost one more compilation per accountant)."""
+    _check_cell(name, "vmap_jit", False)
+    _check_cell(name, "grad_jit", False, grad_reference="fd")
+
+
+# Every cell, both modes, for a representative accountant of each mechanism that compiles
+# quickly: the hockey-stick's own custom_jvp, a NamedTuple output with a min over orders, an
+# array output over orders, a closed form. The rest (the sampled Gaussian's gathers, the
+# bisections, the PNSGD analyses) take minutes of compilation: JAXDP_SLOW=1 pytest -m slow.
+REPRESENTATIVE = ("gaussian_hockey_stick", "rdp_to_epsilon", "pnsgd_iteration_rdp", "linear_rdp_epsilon")
+
+
+@pytest.mark.parametrize("x64", [False, True], ids=["x64_off", "x64_on"])
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("name", REPRESENTATIVE)
+def test_representative_cells(name, form, x64):
+    _check_cell(name, form, x64)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("JAXDP_SLOW"), reason="exhaustive matrix (minutes); set JAXDP_SLOW=1")
+@pytest.mark.parametrize("x64", [False, True], ids=["x64_off", "x64_on"])
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("name", [n for n in NAMES if n not in REPRESENTATIVE])
+def test_all_cells(name, form, x64):
+    _check_cell(name, form, x64)
+
+
+@pytest.mark.parametrize("name", REPRESENTATIVE)
+def test_eager_gradient_matches_central_differences(name):
+    """Anchors the eager gradient used as the reference above to an independent estimate."""
+    for x in _points(name):
+        assert _grad(name, float(x)) == pytest.approx(_fd(name, float(x)), rel=RTOL_FD, abs=1e-12)
+
+
+def test_every_public_accountant_is_in_the_matrix():
+    public = {n for n in A.__all__ if inspect.isfunction(getattr(A, n))}
+    assert public - set(CASES) == set(), "add these to CASES"
+
+
+def test_float32_boundary_caveat():
+    """With x64 off, the user's jit rounds a Python float argument to float32 before we see it."""
+    f = CASES["dpsgd_epsilon"][0]
+    with jax.enable_x64(False):
+        eager = float(f(1.3))
+        jitted = float(jax.jit(f)(1.3))
+        closed = float(jax.jit(lambda: f(1.3))())  # a constant inside the user's jit is not rounded
+    with jax.enable_x64(True):
+        at_rounded = float(f(_round(1.3, False)))
+    assert jitted == pytest.approx(at_rounded, rel=RTOL_VALUE)
+    assert closed == pytest.approx(eager, rel=RTOL_VALUE)
+    assert abs(jitted - eager) > 1e-9 * eager  # the rounding is visible: 1.3 is not a float32
+
+
+def test_static_arguments_pass_through_under_transformations():
+    """Strings, tuples of orders and concrete numbers stay untouched; eager validation still raises."""
+    def eps(c, delta=1e-5, method="classic"):
+        return A.rdp_to_epsilon(_rdp_curve(c), ORD, delta, method=method).epsilon
+
+    with jax.enable_x64(False):
+        out = jax.vmap(jax.jit(eps))(jnp.array([0.125, 0.25]))
+        assert out.dtype == jnp.float64
+        # Classic conversion (Mironov 2017, Prop. 3) of the curve c·(1, 2, 4): min over α of ρ(α) + log(1/δ)/(α − 1).
+        want = [min(c * r + np.log(1e5) / (a - 1) for a, r in zip(ORD, (1, 2, 4))) for c in (0.125, 0.25)]
+        np.testing.assert_allclose(np.asarray(out), want, rtol=RTOL_VALUE)
+        with pytest.raises(ValueError, match="method"):
+            jax.jit(lambda c: eps(c, method="nope"))(0.125)
+        with pytest.raises(ValueError, match="delta"):
+            jax.vmap(lambda c: eps(c, delta=2.0))(jnp.array([0.125, 0.25]))
+        # Invalid traced values give NaN, never a finite ε.
+        bad = jax.vmap(jax.jit(lambda d: eps(0.125, delta=d)))(jnp.array([1e-5, 2.0]))
+        assert np.isfinite(bad[0]) and np.isnan(bad[1])
+
+
+def test_deeper_compositions_with_x64_off():
+    """vmap(vmap(jit f)), jit(vmap(vmap(jit f))), jit(vmap(grad f)), grad of a sum over jit(vmap f)."""
+    name = "gaussian_hockey_stick"
+    f = CASES[name][0]
+    xs = np.array([[1.25, 1.5], [2.0, 3.0]])  # float32-representable
+    with jax.enable_x64(False):
+        v1 = jax.vmap(jax.vmap(jax.jit(f)))(jnp.asarray(xs))
+        v2 = jax.jit(jax.vmap(jax.vmap(jax.jit(f))))(jnp.asarray(xs))
+        g1 = jax.jit(jax.vmap(jax.grad(f)))(jnp.asarray(xs[1]))
+        # (Indexing, not jnp.sum: a user's jnp reduction with x64 off casts our float64 to float32.)
+        g2 = jax.grad(lambda v: jax.jit(jax.vmap(f))(v)[1])(jnp.asarray(xs[1]))[1:]
+    assert v1.dtype == v2.dtype == jnp.float64 and g1.dtype == g2.dtype == jnp.float32
+    val = np.array([[_value(name, float(x)) for x in row] for row in xs])
+    np.testing.assert_allclose(np.asarray(v1), val, rtol=RTOL_VALUE)
+    np.testing.assert_allclose(np.asarray(v2), val, rtol=RTOL_VALUE)
+    fd = [_fd(name, float(x)) for x in xs[1]]
+    np.testing.assert_allclose(np.asarray(g1, np.float64), fd, rtol=RTOL_GRAD_X32_FD)
+    np.testing.assert_allclose(np.asarray(g2, np.float64), fd[1:], rtol=RTOL_GRAD_X32_FD)
