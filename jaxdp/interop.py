@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .accounting import _events as ev
+from . import accounting as ev
 
 __all__ = ["from_dp_event", "to_dp_event", "DpEventWithRelation"]
 
