@@ -26,6 +26,9 @@ def dpsgd_epsilon(q, noise_multiplier, num_steps, delta, orders=DEFAULT_ORDERS, 
     :func:`rdp_to_epsilon`. Every argument broadcasts: a grid of 10^4 configurations is
     one call. Fractional step counts are rounded up.
 
+    A shortcut for the event algebra: equal, bit for bit, to
+    ``epsilon(dpsgd_event(q, noise_multiplier, num_steps), delta)`` (docs/events.md).
+
     Assumptions: each step samples every example independently with probability q
     (Poisson sampling), clips per-example gradients to norm C and adds N(0, σ²C²) noise
     to their sum; neighbouring data sets differ by adding or removing one example; the
@@ -60,7 +63,8 @@ def dpsgd_epsilon(q, noise_multiplier, num_steps, delta, orders=DEFAULT_ORDERS, 
 def schedule_epsilon(q, noise_multiplier, num_steps, delta, orders=DEFAULT_ORDERS, *, method: str = "improved") -> jax.Array:
     r"""ε of a heterogeneous DP-SGD schedule: segments of (q_s, σ_s, T_s), last axis.
 
-    RDP curves of the segments add up (:func:`heterogeneous_rdp`), then convert once.
+    RDP curves of the segments add up (:func:`heterogeneous_rdp`), then convert once. A
+    shortcut for ``epsilon(Composed(tuple(dpsgd_event(q_s, σ_s, T_s) for each s)), delta)``.
     ``noise_multiplier`` is relative to the L2 sensitivity of the clipped sum
     (add/remove-one neighbours), as in :func:`dpsgd_epsilon`.
 

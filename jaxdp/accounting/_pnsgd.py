@@ -322,6 +322,9 @@ def pnsgd_privacy(
     * ``best``: the minimum of the four. Each is a valid upper bound for the hidden-iterate
       run (the composition one too, by post-processing), so their minimum is valid.
 
+    In the event algebra this run is ``PNSGD(...)``; ``epsilon(PNSGD(...), delta)`` is the
+    worst record's ``best`` and ``pnsgd_record_epsilon`` the per-record vector (docs/events.md).
+
     RDP bounds are converted with the improved conversion optimised over continuous α
     (:func:`linear_rdp_epsilon`). The ε values are rounded up (bisection returns the
     certified end of its bracket). For the last record the best bound equals the exact
