@@ -196,7 +196,15 @@ class PrivacyReport(NamedTuple):
     def table(self) -> str:
         """A text table: best / median / worst ε over positions for each analysis."""
         rows = [("analysis", "best", "median", "worst")]
+        # An analysis no better than composition anywhere is vacuous for this run: named, not printed
+        # (a headline of 4.6e5 or inf helps nobody).
+        comp = np.asarray(self.composition, dtype=np.float64)
+        hidden = []
         for name, values in self.by_analysis.items():
+            v = np.asarray(values, dtype=np.float64)
+            if name not in ("best", "composition") and v.size and not np.any(v < comp):
+                hidden.append(name)
+                continue
             s = self.summary(values)
             rows.append((name, *(_fmt(s[k]) for k in ("best", "median", "worst"))))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
@@ -208,6 +216,8 @@ class PrivacyReport(NamedTuple):
         if self.not_private:
             head = f"{NOT_PRIVATE}\n{head}"
         tail = [f"reason: {self.reason}"]
+        if hidden:
+            tail.append(f"not shown (no better than composition for any record here): {', '.join(hidden)}")
         if self.unused:
             tail.append(f"{self.unused} record(s) never used (epsilon = 0), not listed")
         if not self.exact:
