@@ -17,12 +17,13 @@ traced only when differentiating, and the search itself is never differentiated.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["SearchResult", "search_decreasing", "implicit_root"]
+__all__ = ["SearchResult", "search_decreasing", "implicit_root", "solve_decreasing"]
 
 
 class SearchResult(NamedTuple):
@@ -137,8 +138,8 @@ def implicit_root(fn: Callable, x, value, target, params, binds, fixed):
     rule transposes for reverse mode.
 
     Args:
-      fn: ``(x, *params) -> f``, elementwise; must not close over values being
-        differentiated (pass them in ``params``).
+      fn: ``(x, *params) -> f``, elementwise (values it closes over are hoisted by
+        ``jax.closure_convert``).
       x: the root from :func:`search_decreasing` (values only).
       value: ``fn`` at x as the search computed it (returned unchanged; pass zeros when
         unused).
@@ -149,7 +150,11 @@ def implicit_root(fn: Callable, x, value, target, params, binds, fixed):
     Returns:
       ``(x, value)``.
     """
-    return _implicit(fn, x, value, target, tuple(params), binds, fixed)
+    params = tuple(params)
+    # Values ``fn`` closes over (tracers of an enclosing jit or derivative) become explicit
+    # arguments, so that the custom_jvp rule sees them as inputs rather than constants.
+    conv, consts = jax.closure_convert(lambda x_, *p_: fn(x_, *p_), x, *params)
+    return _implicit(conv, x, value, target, params + tuple(consts), binds, fixed)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
@@ -177,3 +182,37 @@ def _implicit_jvp(fn, primals, tangents):
     dx = jnp.where(use, (d_target - df_dp) / jnp.where(use, df_dx, -1.0), 0.0)
     d_value = jnp.where(use, d_target, jnp.where(fixed & ~binds, df_dp, 0.0))
     return (x, value), (dx, jnp.broadcast_to(d_value, jnp.shape(value)).astype(jnp.result_type(value)))
+
+
+def solve_decreasing(fn: Callable, params, target, lo, hi, iterations: int, *, accept_target=None) -> jax.Array:
+    r"""Smallest x in [lo, hi] with ``fn(x, *params) ≤ target``: bisection, implicit derivative.
+
+    ``fn`` must be non-increasing in x. The value is the upper end of the final bracket
+    of :func:`search_decreasing` (so ``fn(x) ≤ target`` was checked at the returned x),
+    ``lo`` when ``fn(lo) ≤ target``, +inf when not even ``fn(hi) ≤ target``; after n
+    halvings the bracket is (hi − lo)/2^n wide. Derivatives with respect to ``params`` and
+    ``target`` come from :func:`implicit_root` (the search sees stopped values).
+
+    Args:
+      fn: ``(x, *params) -> value``, elementwise; pass every differentiated value in
+        ``params`` rather than closing over it.
+      params: tuple of arrays broadcastable with x.
+      target: the level, broadcastable with x.
+      lo, hi: bracket, lo < hi.
+      iterations: halvings (static).
+      accept_target: level used to accept a point, when it differs from ``target`` (a
+        safety margin below it); defaults to ``target``. The derivative uses ``target``.
+
+    Returns:
+      x, float array of the broadcast shape of lo and hi.
+    """
+    params = tuple(params)
+    p_sg = jax.lax.stop_gradient(params)
+    t_acc = jax.lax.stop_gradient(target if accept_target is None else accept_target)
+
+    def accept(x):
+        return fn(x, *p_sg) <= t_acc, ()
+
+    res = search_decreasing(accept, lo, hi, iterations)
+    x, _ = implicit_root(fn, res.x, jnp.zeros_like(res.x), target, params, res.found & ~res.at_low, res.at_low)
+    return x
