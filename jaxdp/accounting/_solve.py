@@ -205,6 +205,16 @@ def solve_decreasing(fn: Callable, params, target, lo, hi, iterations: int, *, a
 
     Returns:
       x, float array of the broadcast shape of lo and hi.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, math
+      >>> from jaxdp.accounting._solve import solve_decreasing
+      >>> with jax.enable_x64(True):
+      ...     f = lambda x, a: jnp.exp(-a * x)
+      ...     x = solve_decreasing(f, (1.0,), 0.5, 0.0, 10.0, 64)
+      ...     dx = jax.grad(lambda a: solve_decreasing(f, (a,), 0.5, 0.0, 10.0, 64))(1.0)
+      >>> abs(float(x) - math.log(2)) < 1e-12, float(x) >= math.log(2), round(float(dx), 9)
+      (True, True, -0.693147181)
     """
     params = tuple(params)
     p_sg = jax.lax.stop_gradient(params)
