@@ -29,6 +29,7 @@ from .. import _validate
 from .._numerics import f64, float64
 from .._validate import check_integer, check_learning_rate, check_positions, is_int, learning_rate_valid, nan_unless
 from ._hockey_stick import _log_laplace, _log_theta_and_complement, _log_theta_slope
+from ._solve import solve_decreasing
 
 __all__ = [
     "step_contraction",
@@ -308,37 +309,19 @@ def _solve_eps(log_delta_fn, params, log_target: jax.Array, eps_hi: jax.Array, s
     """Smallest ε ≥ 0 (up to bisection width, rounded up) with log_delta_fn(ε, *params) ≤ log_target.
 
     ``log_delta_fn`` must be non-increasing in ε, differentiable in ``params``, and satisfy
-    log_delta_fn(eps_hi, *params) ≤ log_target. The bisection sees the parameters through
-    ``stop_gradient`` (so differentiating does not drag tangents through the loop). The value comes from a
-    fixed-count bisection (returns the upper end, a certified ε); the gradient with
-    respect to the parameters comes from the implicit function theorem.
+    log_delta_fn(eps_hi, *params) ≤ log_target (else +inf). The search is
+    :func:`solve_decreasing` (bisection on [0, eps_hi], the upper end returned, so the ε is
+    certified); acceptance uses the log target lowered by a relative 1e-12 against float64
+    rounding in log δ, and the gradient with respect to the parameters comes from the
+    implicit function theorem. ``slope_fn`` is unused (kept for callers; the derivative
+    rule linearises ``log_delta_fn`` only when differentiating).
     """
+    del slope_fn
     eps_hi = jax.lax.stop_gradient(eps_hi)
-    # Safety margin against float64 rounding in log δ: accept only log δ ≤ target − 1e-12·(1+|target|).
-    lt = jax.lax.stop_gradient(_safe_target(log_target))
-    p_sg = jax.lax.stop_gradient(tuple(params))
-
-    def body(i, state):
-        lo, hi = state
-        # The first probe is ε = 0: if δ(0) ≤ target the bracket collapses to [0, 0].
-        mid = jnp.where(i == 0, 0.0, 0.5 * (lo + hi))
-        ok = log_delta_fn(mid, *p_sg) <= lt
-        return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
-
-    _, hi = jax.lax.fori_loop(0, _BISECT_ITERS + 1, body, (jnp.zeros_like(eps_hi), eps_hi))
-    at_zero = hi <= 0
-    eps0 = jax.lax.stop_gradient(jnp.where(at_zero, 0.0, hi))
-    # Implicit gradient: ε − (g(ε, p) − sg(g(ε, p)))/sg(∂g/∂ε); the value is exactly ε.
-    if slope_fn is None:
-        g, dg = jax.jvp(lambda e: log_delta_fn(e, *params), (eps0,), (jnp.ones_like(eps0),))
-    else:  # cheaper to compile than a jvp through the special functions
-        g, dg = log_delta_fn(eps0, *params), slope_fn(eps0, *p_sg)
-    dg = jax.lax.stop_gradient(dg)
-    use = (~at_zero) & jnp.isfinite(dg) & (dg < 0) & jnp.isfinite(g)
-    dg_s = jnp.where(use, dg, -1.0)
-    g_s = jnp.where(use, g, 0.0)
-    corr = (g_s - jax.lax.stop_gradient(g_s)) / dg_s
-    return eps0 - jnp.where(use, corr, 0.0)
+    return solve_decreasing(
+        log_delta_fn, params, log_target, jnp.zeros_like(eps_hi), eps_hi, _BISECT_ITERS,
+        accept_target=_safe_target(log_target),
+    )
 
 
 def _check_delta_target(delta) -> None:

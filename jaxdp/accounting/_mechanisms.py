@@ -29,6 +29,7 @@ from .._validate import nan_unless as _nan_unless
 
 # The one place this module takes the exact Gaussian hockey-stick divergence from.
 from ._hockey_stick import log_gaussian_hockey_stick as _log_theta
+from ._solve import solve_decreasing
 
 __all__ = [
     "laplace_mechanism",
@@ -216,35 +217,13 @@ def gaussian_mechanism_delta(epsilon, noise_multiplier) -> jax.Array:
 def _bisect_smallest(residual, params, hi):
     """Smallest x in [0, hi] with residual(x, *params) ≤ 0, rounded up; implicit derivative.
 
-    ``residual`` must be non-increasing in x with residual(hi) ≤ 0. The value is the upper
-    end of the bracket after a fixed number of halvings (never below the true root, so the
-    result is certified on the safe side); the first probe is x = 0, which collapses the
-    bracket to [0, 0] when residual(0) ≤ 0. The bisection sees the parameters through
-    ``stop_gradient``; derivatives with respect to them come from the implicit function
-    theorem, dx/dp = -(∂r/∂p)/(∂r/∂x), at the root.
+    ``residual`` must be non-increasing in x with residual(hi) ≤ 0 (else +inf). The value
+    is the upper end of the bracket after a fixed number of halvings (never below the true
+    root: certified on the safe side), 0 when residual(0) ≤ 0; derivatives with respect to
+    the parameters come from the implicit function theorem (:func:`solve_decreasing`).
     """
-    # solver: to be replaced by jaxdp.accounting._solve at merge
     hi = jax.lax.stop_gradient(hi)
-    p_sg = jax.lax.stop_gradient(tuple(params))
-
-    def body(i, state):
-        lo, up = state
-        mid = jnp.where(i == 0, 0.0, 0.5 * (lo + up))
-        ok = residual(mid, *p_sg) <= 0
-        return jnp.where(ok, lo, mid), jnp.where(ok, mid, up)
-
-    _, up = jax.lax.fori_loop(0, _BISECT_ITERS + 1, body, (jnp.zeros_like(hi), hi))
-    at_zero = up <= 0
-    x0 = jax.lax.stop_gradient(up)
-    # ∂r/∂x from the stopped parameters (an outer derivative then never differentiates the
-    # jvp rule a second time); r itself sees the live parameters.
-    _, dg = jax.jvp(lambda x: residual(x, *p_sg), (x0,), (jnp.ones_like(x0),))
-    g = residual(x0, *params)
-    use = (~at_zero) & jnp.isfinite(dg) & (dg < 0) & jnp.isfinite(g)
-    dg_s = jnp.where(use, dg, -1.0)
-    g_s = jnp.where(use, g, 0.0)
-    # The value is exactly x0; the tangent is -(∂r/∂p · dp)/(∂r/∂x).
-    return x0 - jnp.where(use, (g_s - jax.lax.stop_gradient(g_s)) / dg_s, 0.0)
+    return solve_decreasing(residual, params, 0.0, jnp.zeros_like(hi), hi, _BISECT_ITERS)
 
 
 def _safe_log(delta):

@@ -32,6 +32,7 @@ from ._contraction import (
 )
 from ._hockey_stick import _log_theta_and_complement, _log_theta_slope
 from ._iteration import _linear_eps_masked, _pabi_coefficient, _sc_coefficient
+from ._solve import implicit_root, search_decreasing
 
 __all__ = ["PNSGDPrivacy", "pnsgd_privacy", "calibrate_pnsgd_noise_std"]
 
@@ -607,42 +608,27 @@ def _calibrate_core(eps_t, dlt, pos, n, lip, beta, rho, eta, dia, b, k, analysis
     return nan_unless(valid, sig)
 
 
-def _pnsgd_bisect(eps_t, log_dt, pos, n, lip, beta, rho, eta, dia, b, k, centre, analysis, sc_form):
-    """(σ*, binds): the bisection on log σ around ``centre`` (log σ_comp), on values only."""
+def _pnsgd_solve(eps_t, log_dt, pos, n, lip, beta, rho, eta, dia, b, k, centre, analysis, sc_form):
+    """σ*: the bracketed search on log σ around ``centre`` (log σ_comp), implicit derivative.
+
+    :func:`search_decreasing` bisects the feasibility predicate (any analysis certifies the
+    target, with its safety margins) over 60 octaves in 64 halvings and returns the upper
+    end (certified). Derivatives come from the implicit function theorem on the first
+    analysis certified at σ* (:func:`implicit_root`): h(σ*, ε_t, ...) = 0 up to the
+    bisection's width, so dσ* = −(∂h/∂(ε_t, δ, L, η, D, ...)·d(...))/(∂h/∂σ); at the
+    bracket's lower end σ is constant.
+    """
+    args = (eps_t, log_dt, pos, n, lip, beta, rho, eta, dia, b, k)
+    a_sg = jax.lax.stop_gradient(args)
+    centre = jax.lax.stop_gradient(centre)
     lo0 = centre - _SIGMA_OCTAVES_BELOW * math.log(2.0)
     hi0 = centre + _SIGMA_OCTAVES_ABOVE * math.log(2.0)
-    feas = lambda ls: _feasible(  # noqa: E731
-        ls, eps_t, log_dt, pos, n, lip, beta, rho, eta, dia, b, k, analysis, sc_form
-    )
 
-    def body(_, state):
-        lo, hi = state
-        mid = 0.5 * (lo + hi)
-        ok = feas(mid)
-        return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+    def accept(log_sig):
+        return _feasible(log_sig, *a_sg, analysis, sc_form), ()
 
-    lo, hi = jax.lax.fori_loop(0, _SIGMA_ITERS, body, (lo0, hi0))
-    at_low, found = feas(lo0), feas(hi0)
-    sig = jnp.exp(hi)
-    sig = jnp.where(at_low, jnp.exp(lo0), sig)
-    sig = jnp.where(found, sig, jnp.inf)
-    return sig, found & ~at_low
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(12, 13))
-def _pnsgd_solve(eps_t, log_dt, pos, n, lip, beta, rho, eta, dia, b, k, centre, analysis, sc_form):
-    return _pnsgd_bisect(eps_t, log_dt, pos, n, lip, beta, rho, eta, dia, b, k, centre, analysis, sc_form)[0]
-
-
-@_pnsgd_solve.defjvp
-def _pnsgd_solve_jvp(analysis, sc_form, primals, tangents):
-    # The implicit function theorem (the bisection itself has no derivative): where the
-    # target binds, the first analysis certified at σ* has h(σ*, ε_t, ...) = 0 up to the
-    # bisection's width, so dσ* = −(∂h/∂(ε_t, δ, L, η, D, ...)·d(...))/(∂h/∂σ). At the
-    # bracket's ends σ is constant. Only traced when differentiating.
-    sig, binds = _pnsgd_bisect(*primals, analysis, sc_form)
-    args, d_args = primals[:11], tangents[:11]
-    s_star = jnp.where(binds, sig, 1.0)
+    res = search_decreasing(accept, lo0, hi0, _SIGMA_ITERS, stack_ends=False)
+    sig = jnp.exp(res.x)  # the σ the search evaluated at the returned end (+inf: not found)
 
     def binding_h(s, *a):
         cons = _constraints(s, *a, analysis, sc_form)
@@ -654,12 +640,5 @@ def _pnsgd_solve_jvp(analysis, sc_form, primals, tangents):
             taken = taken | pick
         return jnp.where(taken, h, jnp.nan)
 
-    # One linearisation at σ*, applied to the σ direction and to the caller's tangents.
-    _, lin = jax.linearize(binding_h, s_star, *args)
-    dh_ds = lin(jnp.ones_like(s_star), *(jnp.zeros_like(a) for a in args))
-    dh_dp = lin(jnp.zeros_like(s_star), *d_args)
-    # (The mask may depend on primal values only: a tangent in a select's predicate could not
-    # be transposed for reverse mode.)
-    use = binds & jnp.isfinite(dh_ds) & (dh_ds < 0)
-    d_sig = jnp.where(use, -dh_dp / jnp.where(use, dh_ds, -1.0), 0.0)
-    return sig, d_sig
+    sig, _ = implicit_root(binding_h, sig, jnp.zeros_like(sig), 0.0, args, res.found & ~res.at_low, res.at_low)
+    return sig

@@ -198,3 +198,42 @@ def test_invalid_under_jit_never_finite():
     assert np.isnan(float(r))
     c = jax.jit(lambda e: calibrate_noise_multiplier(e, 0.01, 100.0, 1e-5).noise_multiplier)(-1.0)
     assert np.isnan(float(c))
+
+
+# Calibration against an independent reference root: a 200-step float64 bisection on the
+# accountant's ε (the bracket of width log(2e5) halved 200 times: exact to the last bit).
+# The calibrated σ must be accepted (ε ≤ target) and within this relative distance of it.
+CALIBRATION_TIGHTNESS = 1e-9
+
+
+@pytest.mark.parametrize("method", ["improved", "classic"])
+def test_calibration_random_batch_safe_and_tight(method):
+
+    from jaxdp.accounting import calibrate_noise_multiplier, dpsgd_epsilon
+
+    rng = np.random.default_rng(20261122)
+    n = 200
+    q = 10 ** rng.uniform(-4, -0.5, n)
+    steps = np.round(10 ** rng.uniform(1, 5, n))
+    delta = 10 ** rng.uniform(-9, -3, n)
+    target = 10 ** rng.uniform(-1, 1.3, n)
+    sigma = np.asarray(calibrate_noise_multiplier(target, q, steps, delta, method=method).noise_multiplier)
+
+    @jax.jit
+    def bisect(t, q_, s_, d_):
+        def body(_, st):
+            lo, hi = st
+            mid = 0.5 * (lo + hi)
+            ok = dpsgd_epsilon(q_, jnp.exp(mid), s_, d_, method=method) <= t
+            return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+
+        lo = jnp.full(t.shape, np.log(0.05))
+        hi = jnp.full(t.shape, np.log(1e4))
+        return jnp.exp(jax.lax.fori_loop(0, 200, body, (lo, hi))[1])
+
+    ref = np.asarray(bisect(target, q, steps, delta))
+    eps = np.asarray(dpsgd_epsilon(q, sigma, steps, delta, method=method))
+    assert np.all(eps <= target)
+    inside = (ref > 0.05) & (ref < 1e4)
+    assert inside.sum() > 150
+    np.testing.assert_array_less(np.abs(sigma[inside] / ref[inside] - 1.0), CALIBRATION_TIGHTNESS)
