@@ -24,7 +24,7 @@ GLOSSARY = {
     # divergences of two shifted distributions: r = shift / noise std (Gaussian), shift (Laplace)
     "r", "shift", "analysis", "strongly_convex_form",
     # solvers and composition
-    "total_delta", "max_num_steps", "solver_iterations",
+    "total_delta", "max_num_steps", "solver_iterations", "noise_multiplier_bounds",
     # per-instance accounting
     "budget", "consumed", "halted", "halt_step", "checkpoint_steps", "runs", "order_rounding", "order_levels",
     "chunk_size", "assumptions",

@@ -101,7 +101,7 @@ def calibrate_noise_multiplier(
     *,
     method: str = "improved",
     noise_multiplier_bounds: tuple[float, float] = (0.05, 1.0e4),
-    iterations: int = 32,
+    solver_iterations: int = 32,
 ) -> CalibrationResult:
     r"""Smallest noise multiplier σ whose DP-SGD ε is at most ``target_epsilon``.
 
@@ -135,7 +135,7 @@ def calibrate_noise_multiplier(
       delta: δ in (0, 1).
       orders, method: as in :func:`dpsgd_epsilon`.
       noise_multiplier_bounds: search bracket (static), 0 < low < high.
-      iterations: search steps after the two end evaluations (static).
+      solver_iterations: search steps after the two end evaluations (static).
 
     Returns:
       ``CalibrationResult(noise_multiplier, epsilon)``, float64, broadcast shape.
@@ -155,13 +155,13 @@ def calibrate_noise_multiplier(
         raise ValueError(
             f"noise_multiplier_bounds must satisfy 0 < low < high < inf; got {noise_multiplier_bounds!r}."
         )
-    if int(iterations) < 1:
-        raise ValueError(f"iterations must be >= 1; got {iterations!r}.")
+    if int(solver_iterations) < 1:
+        raise ValueError(f"solver_iterations must be >= 1; got {solver_iterations!r}.")
     orders = tuple(float(a) for a in _validate.concrete_orders(orders))
     target, q, steps, delta = (f64(x) for x in (target_epsilon, q, num_steps, delta))
     target, q, steps, delta = jnp.broadcast_arrays(target, q, steps, delta)
     return _calibrate_core(target, q, steps, delta, orders=orders, method=method, lo_s=float(lo_s),
-                           hi_s=float(hi_s), iterations=int(iterations))
+                           hi_s=float(hi_s), iterations=int(solver_iterations))
 
 
 # Jitted once per static configuration: called eagerly, a fori_loop over a fresh closure
