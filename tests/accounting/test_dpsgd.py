@@ -117,6 +117,7 @@ def test_calibrate_vectorised_and_unreachable():
     assert math.isinf(float(res.noise_multiplier[0])) and math.isinf(float(res.epsilon[0]))
 
 
+@pytest.mark.slow  # CI: covered by test_transformations
 def test_gradients_match_finite_differences():
     q, s, t, d = 0.01, 1.3, 2000.0, 1e-5
     grad_s = jax.jit(jax.grad(lambda x, y: dpsgd_epsilon(y, x, t, d)))
@@ -206,7 +207,8 @@ def test_invalid_under_jit_never_finite():
 CALIBRATION_TIGHTNESS = 1e-9
 
 
-@pytest.mark.parametrize("method", ["improved", "classic"])
+# CI runs the default conversion; the classic one with JAXDP_SLOW=1.
+@pytest.mark.parametrize("method", ["improved", pytest.param("classic", marks=pytest.mark.slow)])
 def test_calibration_random_batch_safe_and_tight(method):
 
     from jaxdp.accounting import calibrate_noise_multiplier, dpsgd_epsilon

@@ -190,6 +190,7 @@ def test_batch_vmap_and_loop_agree():
     np.testing.assert_allclose(vmapped, loop, rtol=CONSISTENCY_RTOL)
 
 
+@pytest.mark.slow  # CI: the DP-SGD batch test covers the batching rule
 def test_pnsgd_batch_vmap_and_loop_agree():
     sig = np.array([1.5, 4.0])
     batch = A.PNSGD(1.0, 0.5, 0.5, sig, 1.0, num_records=20)
@@ -223,6 +224,7 @@ def _central(f, x, h_rel=1e-5):
     return (f(x + h) - f(x - h)) / (2 * h)
 
 
+@pytest.mark.slow  # CI: test_transformations checks grad(jit) of the event evaluations
 @pytest.mark.parametrize(
     "make, x0",
     [

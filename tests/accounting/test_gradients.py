@@ -65,6 +65,7 @@ def _central(f):
 HEAVY = {"dpsgd_epsilon", "pnsgd_privacy"}
 
 
+@pytest.mark.slow  # CI: test_transformations checks grad(jit(f)) of every accountant against central differences
 @pytest.mark.parametrize("name", list(CASES))
 def test_grad_with_x64_off_and_on_matches_central_differences(name):
     f = CASES[name]

@@ -153,6 +153,7 @@ def test_calibration_per_position_contraction():
     assert np.all(np.diff(s) >= 0)
 
 
+@pytest.mark.slow  # CI: covered by test_transformations and test_gradients
 def test_gradients_of_every_analysis_match_finite_differences():
     """Forward-mode derivative in σ (noise_std) of each analysis at three positions vs central
     differences (h = 1e-5; the bounds are smooth there, so the O(h²) truncation and the 1e-12
