@@ -22,7 +22,6 @@ import optax
 from flax import nnx
 
 from .. import _validate
-from ._checkpoint import Checkpointer, latest_checkpoint_step
 from ._dpsgd import batch_capacity, dpsgd, dpsgd_step
 from ._ledger import NOT_PRIVATE, DPSGDLedger, privacy_report
 
@@ -33,7 +32,7 @@ def train_dpsgd(model, x, y, x_test, y_test, *, loss_fn, learning_rate, optimize
                 batch_size, passes, delta, order_seed, noise_seed, steps_per_call, checkpoint_dir,
                 checkpoint_every, resume, progress, account, callback, use_fast_path, fingerprint):
     """Run DP-SGD; arguments as validated by :func:`jaxdp.training.train`."""
-    from ._loop import TrainState, _finish, _resume, _secret_key, _to_arrays
+    from ._loop import TrainState, _finish, _open_checkpoints, _resume, _secret_key, _to_arrays
 
     _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True)
     if clip_norm is None:
@@ -68,14 +67,7 @@ def train_dpsgd(model, x, y, x_test, y_test, *, loss_fn, learning_rate, optimize
         "noise_multiplier": float(noise_multiplier), "clip_norm": float(clip_norm), "batch_size": int(batch_size),
         "passes": int(passes), "delta": float(delta), "order_seed": int(order_seed), "steps_per_call": steps_per_call,
     }
-    ckpt = None
-    if checkpoint_dir is not None:
-        latest = latest_checkpoint_step(checkpoint_dir)
-        if latest is not None and not resume:
-            raise ValueError(
-                f"checkpoint_dir {str(checkpoint_dir)!r} already holds a checkpoint (step {latest}): pass "
-                "resume=True to continue that run, or use an empty directory.")
-        ckpt = Checkpointer(checkpoint_dir)
+    ckpt = _open_checkpoints(checkpoint_dir, resume)
 
     if noise_seed is not None:
         warnings.warn(f"noise_seed is fixed: {NOT_PRIVATE}.", UserWarning, stacklevel=3)

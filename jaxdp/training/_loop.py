@@ -605,15 +605,7 @@ def train(
         "return_intermediates": bool(return_intermediates),
     }
 
-    ckpt = None
-    if checkpoint_dir is not None:
-        latest = latest_checkpoint_step(checkpoint_dir)
-        if latest is not None and not resume:
-            raise ValueError(
-                f"checkpoint_dir {str(checkpoint_dir)!r} already holds a checkpoint (step {latest}): pass "
-                "resume=True to continue that run, or use an empty directory."
-            )
-        ckpt = Checkpointer(checkpoint_dir)
+    ckpt = _open_checkpoints(checkpoint_dir, resume)
 
     # ---------------- initial state ----------------
     order = jax.random.permutation(jax.random.key(int(order_seed)), plan.n_total).astype(jnp.int32)
@@ -739,6 +731,19 @@ def train(
         intermediates = jax.tree.map(lambda *a: np.concatenate(a, axis=0), *inter)
     return _finish(graphdef, rest, state, account, progress, x_test, y_test, pdtype, intermediates, history,
                    seconds)
+
+
+def _open_checkpoints(checkpoint_dir, resume: bool):
+    """A Checkpointer for ``checkpoint_dir`` (or None); a non-empty one needs ``resume``."""
+    if checkpoint_dir is None:
+        return None
+    latest = latest_checkpoint_step(checkpoint_dir)
+    if latest is not None and not resume:
+        raise ValueError(
+            f"checkpoint_dir {str(checkpoint_dir)!r} already holds a checkpoint (step {latest}): pass "
+            "resume=True to continue that run, or use an empty directory."
+        )
+    return Checkpointer(checkpoint_dir)
 
 
 def _resume(ckpt, state: TrainState, config: dict, checkpoint_dir, ledger_cls) -> TrainState:
