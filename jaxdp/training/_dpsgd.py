@@ -80,8 +80,10 @@ def poisson_sample(key: jax.Array, num_records: int, q) -> tuple[jax.Array, jax.
 
     Returns ``(indices, size)``: ``indices`` has the static shape ``(num_records,)`` and lists
     the sampled records first, in increasing order, then zeros; ``size`` (``int32``) is the
-    realised batch size, distributed as :math:`\mathrm{Binomial}(N, q)`. Jittable; ``q``
-    may be traced.
+    realised batch size, distributed as :math:`\mathrm{Binomial}(N, q')`. Jittable; ``q``
+    may be traced. The realised rate :math:`q' = \lfloor q\,2^{32}\rfloor/2^{32}` never
+    exceeds ``q`` (a concrete ``q`` exactly; a traced one within :math:`2^{-23}` below it),
+    so the ε accounted at ``q`` is an upper bound (ε grows with the sampling rate).
 
     Examples:
       >>> import jax
@@ -91,8 +93,20 @@ def poisson_sample(key: jax.Array, num_records: int, q) -> tuple[jax.Array, jax.
     """
     _check_num_records(num_records)
     _validate.check_in_range("q", q, 0.0, 1.0)
-    u = jax.random.uniform(key, (num_records,))
-    taken = u < jnp.asarray(q, u.dtype)
+    bits = jax.random.bits(key, (num_records,), jnp.uint32)
+    if _validate.is_concrete(q) and np.ndim(q) == 0:
+        # Exact on the host: P(bits < t) = t / 2^32 with t = floor(q 2^32) <= q 2^32, so the
+        # realised rate never exceeds the q the accountant is told (a float32 uniform compared
+        # with q would give ceil(q 2^23)/2^23 >= q: a slightly larger rate, an under-reported eps).
+        t = math.floor(float(q) * 2.0**32)
+        taken = jnp.ones((num_records,), bool) if t >= 2**32 else bits < jnp.uint32(t)
+    else:
+        # Traced q: the threshold in q's own precision, lowered by 2^9 (more than one float32
+        # ulp at 2^32) so that rounding cannot raise the rate above q.
+        qf = jnp.asarray(q, jnp.float32)
+        t = jnp.floor(qf * 2.0**32) - 512.0
+        taken = jnp.where(qf >= 1.0, True,
+                          bits.astype(jnp.float32) < t)
     size = jnp.sum(taken, dtype=jnp.int32)
     (indices,) = jnp.nonzero(taken, size=num_records, fill_value=0)
     return indices.astype(jnp.int32), size
