@@ -93,24 +93,15 @@ def train_dpsgd(model, x, y, x_test, y_test, *, loss_fn, learning_rate, optimize
     X = jnp.asarray(x, dtype=pdtype)
     Y = jnp.asarray(y)
 
-    @jax.jit
-    def run(carry):
-        def body(c, _):
-            params, opt_state, step, maxn, key = c
-            key, k_step = jax.random.split(key)
-            params, opt_state, out = dpsgd_step(loss_fn, graphdef, rest, tx, params, opt_state, k_step, X, Y, q,
-                                                float(clip_norm), capacity, use_fast_path=use_fast_path)
-            return (params, opt_state, step + 1, jnp.maximum(maxn, out.max_grad_norm), key), None
-
-        return jax.lax.scan(body, carry, None, length=steps_per_call)[0]
-
-    @jax.jit
-    def run_one(carry):
+    def one(carry):
         params, opt_state, step, maxn, key = carry
         key, k_step = jax.random.split(key)
         params, opt_state, out = dpsgd_step(loss_fn, graphdef, rest, tx, params, opt_state, k_step, X, Y, q,
                                             float(clip_norm), capacity, use_fast_path=use_fast_path)
         return params, opt_state, step + 1, jnp.maximum(maxn, out.max_grad_norm), key
+
+    run_one = jax.jit(one)
+    run = jax.jit(lambda c: jax.lax.scan(lambda c, _: (one(c), None), c, None, length=steps_per_call)[0])
 
     start = int(state.step)
     pbar = None
