@@ -1,4 +1,7 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 from hypothesis import settings
@@ -8,6 +11,16 @@ from hypothesis import settings
 # The command keeps compiled programs in a persistent cache; tests call it in-process,
 # and must neither depend on nor write to the user's cache.
 os.environ.setdefault("JAXDP_CACHE_DIR", "off")
+
+# One persistent XLA compilation cache for the whole run: the test workers (pytest-xdist)
+# and the example and command subprocesses inherit it, so a program compiled in one process
+# (the accountants take seconds each) is loaded, not recompiled, in the others. It lives in
+# a fresh temporary folder, removed when the run ends: no test reads a previous run's cache.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="jaxdp-tests-xla-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
 settings.register_profile("ci", derandomize=True)
 if os.environ.get("CI"):
