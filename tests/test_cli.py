@@ -190,7 +190,7 @@ def test_pnsgd_invalid_arguments(capsys, flag, value, name):
 
 @pytest.fixture(scope="module")
 def dpsgd_run(tmp_path_factory):
-    """A one-pass DP-SGD MLP run on digits, checkpointed (steps 0 and 12)."""
+    """A one-pass DP-SGD MLP run on digits, checkpointed (steps 0 and 23)."""
     folder = tmp_path_factory.mktemp("pi") / "ck"
     argv = ["train", "--algorithm", "dpsgd", "--model", "mlp", "--smoke", "--clip-norm", "5", "--plot", "none",
             "--insecure-noise-seed", "1", "--checkpoint-dir", str(folder), "--json"]
@@ -222,7 +222,7 @@ def test_per_instance_plumbing(dpsgd_run, tmp_path, capsys, monkeypatch):
         seen["norms"] = norms
         eps = 4.0 * norms.r.mean(axis=1)
         est = A.PerInstancePrivacy(eps, eps, eps[:, None], None, "estimate", ("ESTIMATE: stand-in",))
-        return T.PerPointPrivacy(2.0, 1e-5, "dpsgd", "reason", est, est, norms.checkpoint_steps, 12)
+        return T.PerPointPrivacy(2.0, 1e-5, "dpsgd", "reason", est, est, norms.checkpoint_steps, 23)
 
     monkeypatch.setattr(T, "per_point_privacy", fake)
     csv, png = tmp_path / "p.csv", tmp_path / "h.png"
@@ -246,7 +246,7 @@ def test_per_instance_end_to_end(dpsgd_run, tmp_path, capsys):
     assert main(["per-instance", "--checkpoint-dir", str(dpsgd_run), "--out", str(tmp_path / "p.csv"),
                  "--histogram", "none", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["estimate"]["analysis"] == "thudi2024_theorem_3.3_estimate" and data["num_steps"] == 12
+    assert data["estimate"]["analysis"] == "thudi2024_theorem_3.3_estimate" and data["num_steps"] == 23
     assert any("ESTIMATE" in a for a in data["estimate"]["assumptions"])
     assert any("NOT a guarantee" in a for a in data["ledger"]["assumptions"])
     table = np.loadtxt(tmp_path / "p.csv", delimiter=",", skiprows=1)
