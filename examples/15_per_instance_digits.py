@@ -27,15 +27,15 @@ import tempfile
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import optax
+from flax import nnx
 
-import jaxdp.accounting as A  # noqa: E402
-from jaxdp.data import load_digits  # noqa: E402
-from jaxdp.models import MLP  # noqa: E402
-from jaxdp.training import clipped_norms_at_checkpoints, per_point_privacy, train  # noqa: E402
+import jaxdp.accounting as A
+from jaxdp.data import load_digits
+from jaxdp.models import MLP
+from jaxdp.training import clipped_norms_at_checkpoints, per_point_privacy, train
 
 
 def main(argv=None) -> int:

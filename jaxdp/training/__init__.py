@@ -69,11 +69,11 @@ __all__ += [
     "train",
 ]
 
-from ._per_point import CheckpointNorms as CheckpointNorms
-from ._per_point import PerPointPrivacy as PerPointPrivacy
-from ._per_point import clipped_norms_at_checkpoints as clipped_norms_at_checkpoints
-from ._per_point import per_point_clipped_norms as per_point_clipped_norms
-from ._per_point import per_point_privacy as per_point_privacy
+from ._per_point import CheckpointNorms as CheckpointNorms  # noqa: E402 (exports appended at the end)
+from ._per_point import PerPointPrivacy as PerPointPrivacy  # noqa: E402 (exports appended at the end)
+from ._per_point import clipped_norms_at_checkpoints as clipped_norms_at_checkpoints  # noqa: E402 (exports appended at the end)
+from ._per_point import per_point_clipped_norms as per_point_clipped_norms  # noqa: E402 (exports appended at the end)
+from ._per_point import per_point_privacy as per_point_privacy  # noqa: E402 (exports appended at the end)
 
 __all__ += [
     "CheckpointNorms",

@@ -44,7 +44,7 @@ def _reference_norms(loss_fn, model, x, y):
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     out = []
     for i in range(x.shape[0]):
-        g = jax.grad(lambda p: loss_fn(nnx.merge(graphdef, p, rest), x[i:i + 1], y[i:i + 1])[0])(params)
+        g = jax.grad(lambda p, i=i: loss_fn(nnx.merge(graphdef, p, rest), x[i:i + 1], y[i:i + 1])[0])(params)
         out.append(math.sqrt(sum(float(np.sum(np.asarray(leaf, np.float64) ** 2)) for leaf in jax.tree.leaves(g))))
     return np.array(out)
 
