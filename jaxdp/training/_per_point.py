@@ -391,7 +391,8 @@ def per_point_privacy(norms: CheckpointNorms, *, delta: float | None = None, ord
       >>> led = DPSGDLedger(analysis="dpsgd", reason="", q=0.1, noise_multiplier=1.0, clip_norm=1.0,
       ...     learning_rate=0.1, batch_size=10, records=100, passes=2, steps_per_pass=10, total_steps=20,
       ...     steps_done=20, capacity=30, delta=1e-5, order_seed=0, fixed_noise_seed=False, max_grad_norm=1.0)
-      >>> res = per_point_privacy(CheckpointNorms(np.array([0, 10]), np.array([[1.0, 1.0], [0.1, 0.05]]), led))
+      >>> norms = CheckpointNorms(np.array([0, 10]), np.array([[1.0, 1.0], [0.1, 0.05]]), led)
+      >>> res = per_point_privacy(norms, orders=[2.0, 8.0], p=np.inf)  # two points, twenty steps
       >>> bool(res.estimate.epsilon[1] < res.epsilon < res.estimate.epsilon[0] + 1e-9)
       True
     """
