@@ -103,5 +103,5 @@ _LOCAL_NAMES = {
     "hidden", "p", "batch", "normalize", "dtype", "param_dtype", "activation", "axis", "layer_sizes",
     "iterations_limit", "lower", "upper", "bracket", "tolerance", "x_test", "y_test", "order",
     "digits", "kind", "inputs", "labels", "example_axis", "per_example_grads", "model_or_params", "tree",
-    "p_prime", "graphdef", "rest", "tx", "opt_state", "sample_key",
+    "p_prime", "graphdef", "rest", "tx", "opt_state", "sample_key", "norms",
 }

@@ -12,10 +12,10 @@ import os
 import sys
 from collections.abc import Sequence
 
-from . import calibrate, epsilon, grid, pnsgd, train
+from . import calibrate, epsilon, grid, per_instance, pnsgd, train
 from ._common import Parser, error, option_message
 
-SUBCOMMANDS = (epsilon, calibrate, grid, pnsgd, train)
+SUBCOMMANDS = (epsilon, calibrate, grid, pnsgd, train, per_instance)
 
 
 def build_parser() -> Parser:

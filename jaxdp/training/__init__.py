@@ -68,3 +68,17 @@ __all__ += [
     "privacy_report",
     "train",
 ]
+
+from ._per_point import CheckpointNorms as CheckpointNorms  # noqa: E402 (exports appended at the end)
+from ._per_point import PerPointPrivacy as PerPointPrivacy  # noqa: E402 (exports appended at the end)
+from ._per_point import clipped_norms_at_checkpoints as clipped_norms_at_checkpoints  # noqa: E402 (exports appended at the end)
+from ._per_point import per_point_clipped_norms as per_point_clipped_norms  # noqa: E402 (exports appended at the end)
+from ._per_point import per_point_privacy as per_point_privacy  # noqa: E402 (exports appended at the end)
+
+__all__ += [
+    "CheckpointNorms",
+    "PerPointPrivacy",
+    "clipped_norms_at_checkpoints",
+    "per_point_clipped_norms",
+    "per_point_privacy",
+]

@@ -65,7 +65,8 @@ class Checkpointer:
     Args:
       directory: where checkpoints live (created on the first save).
       max_to_keep: how many of the newest checkpoints to keep (older ones are deleted
-        after a new one is committed).
+        after a new one is committed); ``None`` keeps every one (DP-SGD runs do, for
+        per-instance accounting at the recorded checkpoints).
 
     Examples:
       >>> import tempfile, numpy as np
@@ -77,9 +78,9 @@ class Checkpointer:
       >>> ck.close()
     """
 
-    def __init__(self, directory, *, max_to_keep: int = 2):
+    def __init__(self, directory, *, max_to_keep: int | None = 2):
         self.directory = Path(directory).expanduser().absolute()
-        self.max_to_keep = int(max_to_keep)
+        self.max_to_keep = None if max_to_keep is None else int(max_to_keep)
         self._manager = None
 
     def _mngr(self):
@@ -153,6 +154,25 @@ class Checkpointer:
         out = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(like))).state
         arrays = {k: np.asarray(out[k]) for k in like}
         return arrays, meta
+
+    def steps(self) -> list[int]:
+        """Every committed step, in increasing order."""
+        if not self.directory.is_dir():
+            return []
+        return sorted(int(p.name) for p in self.directory.iterdir() if _is_step_dir(p))
+
+    def metadata(self, step: int | None = None) -> dict:
+        """The JSON metadata of checkpoint ``step`` (default: the latest), without its arrays.
+
+        Raises:
+          FileNotFoundError: if there is no such committed checkpoint.
+        """
+        import orbax.checkpoint as ocp
+
+        step = self.latest_step() if step is None else int(step)
+        if step is None or not (self.directory / str(step)).is_dir():
+            raise FileNotFoundError(f"no checkpoint to restore in {self.directory}.")
+        return self._mngr().restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
 
     def save_train(self, step: int, arrays: dict[str, Any], metadata: dict[str, Any]) -> None:
         """:meth:`save` with the array signature recorded (checked by :meth:`restore`)."""

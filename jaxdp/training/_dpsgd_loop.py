@@ -8,6 +8,11 @@ pass (:math:`\lceil N/b\rceil` steps) per jitted call. The sampling and noise ke
 the secret key (OS entropy unless ``noise_seed``); the guarantee is
 ``dpsgd_epsilon(q, ν, steps, δ)`` for every record, add/remove neighbours, every iterate
 possibly released, whatever the model (no convexity needed).
+
+With a ``checkpoint_dir`` the driver keeps **every** checkpoint, the initial model (step 0)
+included, with the ledger ``(q, noise_multiplier, clip_norm, steps)``: per-instance
+accounting (:func:`~jaxdp.training.clipped_norms_at_checkpoints`) measures each record's
+clipped gradient norm on the models recorded there.
 """
 
 from __future__ import annotations
@@ -68,6 +73,8 @@ def train_dpsgd(model, x, y, x_test, y_test, *, loss_fn, learning_rate, optimize
         "passes": int(passes), "delta": float(delta), "order_seed": int(order_seed), "steps_per_call": steps_per_call,
     }
     ckpt = _open_checkpoints(checkpoint_dir, resume)
+    if ckpt is not None:
+        ckpt.max_to_keep = None  # every checkpoint stays: per-instance accounting reads them all
 
     if noise_seed is not None:
         warnings.warn(f"noise_seed is fixed: {NOT_PRIVATE}.", UserWarning, stacklevel=3)
@@ -112,6 +119,9 @@ def train_dpsgd(model, x, y, x_test, y_test, *, loss_fn, learning_rate, optimize
     history: list = []
     carry = (state.params, state.opt_state, state.step, state.max_grad_norm, state.sample_key)
     last_saved = start
+    if ckpt is not None and start == 0 and ckpt.latest_step() is None:
+        # The initial model too: the first steps' per-point norms are measured on it.
+        ckpt.save_train(0, _to_arrays(state), {"ledger": state.ledger.to_json(), "config": config})
     t0 = time.perf_counter()
     t_acct = 0.0
     try:
