@@ -20,7 +20,7 @@ GLOSSARY = {
     "target_epsilon", "target_delta", "delta_prime", "coefficient", "form", "schedule", "contraction",
     # losses and optimisation
     "learning_rate", "lipschitz", "smoothness", "strong_convexity", "diameter", "radius", "clip_norm",
-    "interval_length", "convex", "loss_fn",
+    "interval_length", "convex", "loss_fn", "label_bound",
     # divergences of two shifted distributions: r = shift / noise std (Gaussian), shift (Laplace)
     "r", "shift", "analysis", "strongly_convex_form",
     # solvers and composition

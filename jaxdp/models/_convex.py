@@ -1,4 +1,4 @@
-r"""Convex models: binary logistic regression and softmax (multinomial) regression.
+r"""Convex models (binary logistic and softmax regression) and the constants of common losses.
 
 These are the models for which the amplification-by-iteration and contraction analyses
 hold: the per-example loss is convex in the parameters, and with features bounded by
@@ -34,21 +34,39 @@ __all__ = [
     "softmax_cross_entropy_loss",
     "logistic_loss_constants",
     "softmax_loss_constants",
+    "squared_loss",
+    "squared_loss_constants",
 ]
 
 
 class LossConstants(NamedTuple):
-    """Lipschitz constant and smoothness of a per-example loss in the parameters.
+    """What the hidden-state analyses need to know about a per-example loss.
+
+    The constants hold for every admissible example (features with
+    :math:`\\lVert x\rVert \\le X` for the stated feature bound, and whatever label bound the
+    loss states) and every parameter :math:`\theta` with :math:`\\lVert\theta\rVert \\le`
+    ``radius``. ``docs/lipschitz_constants.md`` derives them for the logistic, softmax
+    cross-entropy and squared losses.
 
     Attributes:
-      lipschitz: :math:`L` with :math:`\\lVert\\nabla_\\theta \\ell(\\theta; x, y)\\rVert \\le L`
-        for every :math:`\\theta` and every admissible :math:`(x, y)`.
-      smoothness: :math:`\\beta` with
-        :math:`\\lVert\\nabla^2_\\theta \\ell(\\theta; x, y)\\rVert_{op} \\le \\beta`.
+      lipschitz: :math:`L` with :math:`\\lVert\nabla_\theta \\ell(\theta; x, y)\rVert \\le L`.
+      smoothness: :math:`\beta` with
+        :math:`\\lVert\nabla^2_\theta \\ell(\theta; x, y)\rVert_{op} \\le \beta`.
+      strong_convexity: :math:`\rho \\ge 0` with
+        :math:`\nabla^2_\theta \\ell \\succeq \rho I` (default 0).
+      convex: whether :math:`\theta \\mapsto \\ell(\theta; x, y)` is convex (default
+        ``True``). With ``False`` the constants only describe the loss; the hidden-state
+        analyses do not apply and training reports composition.
+      radius: the parameter radius :math:`R` within which the constants hold (default
+        :math:`\\infty`: every :math:`\theta`). Training refuses the amplified analyses when
+        its ball is larger.
     """
 
     lipschitz: float
     smoothness: float
+    strong_convexity: float = 0.0
+    convex: bool = True
+    radius: float = math.inf
 
 
 def logistic_loss_constants(feature_norm_bound) -> LossConstants:
@@ -72,11 +90,12 @@ def logistic_loss_constants(feature_norm_bound) -> LossConstants:
       feature_norm_bound: :math:`X \ge 0` with :math:`\lVert x\rVert \le X` for every example.
 
     Returns:
-      :class:`LossConstants` ``(lipschitz, smoothness)`` as Python floats.
+      :class:`LossConstants` with ``lipschitz`` and ``smoothness`` as Python floats (convex,
+      :math:`\rho = 0`, every :math:`\theta`).
 
     Examples:
-      >>> logistic_loss_constants(1.0)
-      LossConstants(lipschitz=1.4142135623730951, smoothness=0.5)
+      >>> logistic_loss_constants(1.0)[:2]
+      (1.4142135623730951, 0.5)
     """
     _validate.check_in_range("feature_norm_bound", feature_norm_bound, 0.0, math.inf)
     s = float(feature_norm_bound) ** 2 + 1.0
@@ -121,15 +140,58 @@ def softmax_loss_constants(feature_norm_bound) -> LossConstants:
       feature_norm_bound: :math:`X \ge 0` with :math:`\lVert x\rVert \le X` for every example.
 
     Returns:
-      :class:`LossConstants` ``(lipschitz, smoothness)`` as Python floats.
+      :class:`LossConstants` with ``lipschitz`` and ``smoothness`` as Python floats (convex,
+      :math:`\rho = 0`, every :math:`\theta`).
 
     Examples:
-      >>> softmax_loss_constants(1.0)
-      LossConstants(lipschitz=2.0, smoothness=1.0)
+      >>> softmax_loss_constants(1.0)[:2]
+      (2.0, 1.0)
     """
     _validate.check_in_range("feature_norm_bound", feature_norm_bound, 0.0, math.inf)
     s = float(feature_norm_bound) ** 2 + 1.0
     return LossConstants(lipschitz=math.sqrt(2.0 * s), smoothness=s / 2.0)
+
+
+def squared_loss_constants(feature_norm_bound, label_bound, radius) -> LossConstants:
+    r"""Lipschitz constant and smoothness of the squared loss of a linear model with a bias.
+
+    For :math:`\theta = (w, b)`, :math:`\tilde x = (x, 1)`, prediction
+    :math:`z = \theta^\top\tilde x`, :math:`\ell = \tfrac12 (z - y)^2`, on the domain
+    :math:`\lVert x\rVert \le X`, :math:`|y| \le Y`, :math:`\lVert\theta\rVert \le R`:
+
+    .. math::
+
+        \nabla_\theta \ell = (z - y)\tilde x,\quad |z - y| \le R\sqrt{X^2+1} + Y
+        \;\Rightarrow\; L = \bigl(R\sqrt{X^2+1} + Y\bigr)\sqrt{X^2+1};
+
+        \nabla^2_\theta \ell = \tilde x\tilde x^\top
+        \;\Rightarrow\; \beta = X^2 + 1,\ \rho = 0.
+
+    Unlike the logistic and softmax losses, :math:`L` grows with the parameter radius: the
+    constants hold only inside the ball of radius :math:`R` (training's ``radius`` must not
+    exceed it; the returned ``radius`` field says so). Both bounds are attained
+    (:math:`x` on the sphere, :math:`\theta` aligned with :math:`\tilde x`, :math:`y = -Y`).
+
+    Args:
+      feature_norm_bound: :math:`X \ge 0`.
+      label_bound: :math:`Y \ge 0` with :math:`|y| \le Y` for every example.
+      radius: :math:`R > 0`, the parameter ball of training.
+
+    Returns:
+      :class:`LossConstants` (convex, :math:`\rho = 0`, valid for
+      :math:`\lVert\theta\rVert \le R`).
+
+    Examples:
+      >>> c = squared_loss_constants(1.0, label_bound=1.0, radius=2.0)
+      >>> round(c.lipschitz, 6), c.smoothness, c.radius
+      (5.414214, 2.0, 2.0)
+    """
+    _validate.check_in_range("feature_norm_bound", feature_norm_bound, 0.0, math.inf)
+    _validate.check_in_range("label_bound", label_bound, 0.0, math.inf)
+    _validate.check_in_range("radius", radius, 0.0, math.inf, lo_open=True)
+    s = float(feature_norm_bound) ** 2 + 1.0
+    lip = (float(radius) * math.sqrt(s) + float(label_bound)) * math.sqrt(s)
+    return LossConstants(lipschitz=lip, smoothness=s, radius=float(radius))
 
 
 class LogisticRegression(nnx.Module):
@@ -164,6 +226,10 @@ class LogisticRegression(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """Logits, shape ``(b,)`` for ``x`` of shape ``(b, d)``."""
         return self.linear(x)[..., 0]
+
+    def loss(self, x: jax.Array, y: jax.Array) -> jax.Array:
+        """Per-example :func:`binary_logistic_loss`, shape ``(b,)`` (the loss training uses)."""
+        return binary_logistic_loss(self, x, y)
 
     @staticmethod
     def loss_constants(feature_norm_bound) -> LossConstants:
@@ -205,6 +271,10 @@ class SoftmaxRegression(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """Logits, shape ``(b, K)`` for ``x`` of shape ``(b, d)``."""
         return self.linear(x)
+
+    def loss(self, x: jax.Array, y: jax.Array) -> jax.Array:
+        """Per-example :func:`softmax_cross_entropy_loss`, shape ``(b,)`` (the loss training uses)."""
+        return softmax_cross_entropy_loss(self, x, y)
 
     @staticmethod
     def loss_constants(feature_norm_bound) -> LossConstants:
@@ -258,3 +328,23 @@ def softmax_cross_entropy_loss(model, x: jax.Array, y: jax.Array) -> jax.Array:
     z = model(x)
     z_y = jnp.take_along_axis(z, y.astype(jnp.int32)[:, None], axis=-1)[:, 0]
     return jax.nn.logsumexp(z, axis=-1) - z_y
+
+
+def squared_loss(model, x: jax.Array, y: jax.Array) -> jax.Array:
+    r"""Per-example squared loss :math:`\tfrac12 (z - y)^2` of a scalar prediction, shape ``(b,)``.
+
+    Args:
+      model: callable returning predictions of shape ``(b,)``.
+      x: features, shape ``(b, d)``.
+      y: real targets, shape ``(b,)``.
+
+    Returns:
+      Per-example losses, shape ``(b,)``, in the predictions' dtype.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> squared_loss(lambda x: x[:, 0], jnp.array([[3.0]]), jnp.array([1.0])).tolist()
+      [2.0]
+    """
+    z = model(x)
+    return 0.5 * jnp.square(z - y.astype(z.dtype))

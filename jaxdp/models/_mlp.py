@@ -57,6 +57,16 @@ class MLP(nnx.Module):
         )
         self.activation = activation
 
+    def loss(self, x: jax.Array, y: jax.Array) -> jax.Array:
+        """Per-example softmax cross-entropy, shape ``(b,)`` (the loss training uses).
+
+        The MLP declares no ``loss_constants``: its loss has no Lipschitz or smoothness
+        constant that makes a gradient step a contraction.
+        """
+        from ._convex import softmax_cross_entropy_loss
+
+        return softmax_cross_entropy_loss(self, x, y)
+
     def __call__(self, x: jax.Array) -> jax.Array:
         """Logits, shape ``(b, K)`` for ``x`` of shape ``(b, d)``."""
         for layer in self.layers[:-1]:

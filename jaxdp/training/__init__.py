@@ -55,16 +55,20 @@ from ._loop import TrainResult as TrainResult
 from ._loop import TrainState as TrainState
 from ._loop import accuracy as accuracy
 from ._loop import train as train
+from ._plan import PrivacyPlan as PrivacyPlan
+from ._plan import plan_privacy as plan_privacy
 
 __all__ += [
     "Checkpointer",
     "DPSGDLedger",
     "PrivacyLedger",
+    "PrivacyPlan",
     "PrivacyReport",
     "TrainResult",
     "TrainState",
     "accuracy",
     "latest_checkpoint_step",
+    "plan_privacy",
     "privacy_report",
     "train",
 ]

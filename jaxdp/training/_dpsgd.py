@@ -127,12 +127,13 @@ def dpsgd(optimizer, noise_multiplier, clip_norm, batch_size, key) -> optax.Grad
 
     Args:
       optimizer: an ``optax.GradientTransformation`` (e.g. ``optax.sgd(0.1)``,
-        ``optax.adam(1e-3)``; schedules allowed) or a learning rate, meaning
-        ``optax.sgd(learning_rate)``.
+        ``optax.adam(1e-3)``; schedules allowed), or a learning rate or an optax schedule
+        ``count -> rate``, meaning ``optax.sgd(learning_rate)``. The guarantee does not
+        depend on the learning rate, so any schedule is free.
       noise_multiplier: :math:`\nu \ge 0` (array-like; may be traced).
-      clip_norm: :math:`C > 0`.
+      clip_norm: :math:`C > 0` (array-like; may be traced).
       batch_size: the expected batch size :math:`qN > 0` of Poisson sampling (the
-        glossary's one name for records per step).
+        glossary's one name for records per step; array-like, may be traced).
       key: PRNG key of the noise (secret; split off a key from the OS entropy).
 
     Returns:
@@ -149,7 +150,8 @@ def dpsgd(optimizer, noise_multiplier, clip_norm, batch_size, key) -> optax.Grad
     _validate.check_in_range("clip_norm", clip_norm, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("batch_size", batch_size, 0.0, math.inf, lo_open=True)
     if not isinstance(optimizer, optax.GradientTransformation):
-        _validate.check_in_range("learning_rate", optimizer, 0.0, math.inf, lo_open=True)
+        if not callable(optimizer):  # a schedule count -> rate is free: the guarantee does not depend on it
+            _validate.check_in_range("learning_rate", optimizer, 0.0, math.inf, lo_open=True)
         optimizer = optax.sgd(optimizer)
     noise_std = jnp.asarray(noise_multiplier) * jnp.asarray(clip_norm)
     return optax.chain(

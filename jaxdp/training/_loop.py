@@ -44,7 +44,8 @@ from .. import _validate
 from ._checkpoint import Checkpointer, latest_checkpoint_step
 from ._clipping import clipped_grad_sum
 from ._ledger import NOT_PRIVATE, PrivacyLedger, PrivacyReport, demote, privacy_report
-from ._transforms import _check_batch_size, pnsgd, pnsgd_noise_std
+from ._plan import _is_schedule, _plan_privacy, declared_loss_fn, rate_config
+from ._transforms import _check_batch_size, _learning_rate_fn, pnsgd, pnsgd_noise_std
 
 __all__ = ["TrainResult", "TrainState", "accuracy", "train"]
 
@@ -163,25 +164,6 @@ def _check_features(x: np.ndarray) -> None:
                 f"x contains {kind} features in {bad.size} row(s) (first: row {bad[0]}); every batch "
                 "must be finite: remove or impute those rows before training."
             )
-
-
-def _default_loss_and_constants(model, loss_fn, x_bound):
-    from ..models import MLP, LogisticRegression, SoftmaxRegression, binary_logistic_loss, softmax_cross_entropy_loss
-
-    if loss_fn is None:
-        if isinstance(model, LogisticRegression):
-            loss_fn = binary_logistic_loss
-        elif isinstance(model, (SoftmaxRegression, MLP)):
-            loss_fn = softmax_cross_entropy_loss
-        else:
-            raise ValueError(
-                "loss_fn is required for a model other than jaxdp.models' LogisticRegression, "
-                "SoftmaxRegression and MLP: pass loss_fn(model, x, y) -> per-example losses (b,)."
-            )
-        constants = getattr(model, "loss_constants", None)
-        if constants is not None and x_bound is not None:
-            return loss_fn, constants(x_bound)
-    return loss_fn, None
 
 
 def _fingerprint(x: np.ndarray, y: np.ndarray) -> str:
@@ -333,7 +315,7 @@ def train(
     clip_norm: float | None = None,
     lipschitz: float | None = None,
     smoothness: float | None = None,
-    strong_convexity: float = 0.0,
+    strong_convexity: float | None = None,
     convex: bool | None = None,
     drop_remainder: bool = True,
     return_intermediates: bool = False,
@@ -388,16 +370,35 @@ def train(
 
     **Which guarantee.** Reported per position, best / median / worst over positions:
 
-    * convex model with known constants (:class:`~jaxdp.models.LogisticRegression`,
-      :class:`~jaxdp.models.SoftmaxRegression` with their default loss, or ``convex=True``
-      with ``lipschitz`` and ``smoothness``): :math:`C` defaults to the Lipschitz bound
-      :math:`L`, so clipping cannot act on any admissible example; the loop **verifies at
-      run time** (from the unclipped per-example norms) that no gradient exceeded
-      :math:`C`, and requires :math:`\eta \le 2/(\beta+\rho)`. Then the hidden-state (or
-      random-stop) bound is reported.
-    * otherwise (a non-convex model such as :class:`~jaxdp.models.MLP`, a clip norm below
-      :math:`L`, any clipped update, or ``return_intermediates=True``): the composition
-      bound, with the reason in ``result.privacy.reason``; never the amplified one.
+    * convex model with known constants: a model declaring ``loss(x, y)`` and
+      ``loss_constants(feature_norm_bound)`` (:class:`~jaxdp.models.HiddenStateModel`, e.g.
+      :class:`~jaxdp.models.LogisticRegression`, :class:`~jaxdp.models.SoftmaxRegression`
+      or a user's module) trained on a :class:`~jaxdp.data.Dataset` with its own loss, or
+      ``convex=True`` with ``lipschitz`` and ``smoothness``: :math:`C` defaults to the
+      Lipschitz bound :math:`L`, so clipping cannot act on any admissible example; the loop
+      **verifies at run time** (from the unclipped per-example norms) that no gradient
+      exceeded :math:`C`, and requires :math:`\eta_t \le 2/(\beta+\rho)` at every step.
+      Then the hidden-state (or random-stop) bound is reported.
+    * otherwise (a model that declares no constants or is not convex, such as
+      :class:`~jaxdp.models.MLP`, a clip norm below :math:`L`, constants stated for a
+      smaller parameter ball than ``radius``, any clipped update, or
+      ``return_intermediates=True``): the composition bound, with the reason in
+      ``result.privacy.reason``; never the amplified one.
+
+    The decision is :func:`~jaxdp.training.plan_privacy` (callable alone, before training).
+    The step is a pure function scanned over steps: :func:`~jaxdp.training.pnsgd` applied
+    to ``clipped_grad_sum(loss_fn, model, (x, y), C).grad_sum / b`` (DP-SGD:
+    :func:`~jaxdp.training.dpsgd_step`); this function is the driver around them (order,
+    secret keys, checkpoints, progress, ledger, report).
+
+    **Learning-rate schedules.** ``learning_rate`` may be an optax schedule
+    ``count -> η`` or a 1-D array of per-step rates. PNSGD checks every step's rate against
+    :math:`2/(\beta+\rho)` and tells the accountant the schedule through its bounding
+    constants: the run is accounted as the constant step :math:`\eta_\star = \min_t\eta_t`
+    with Lipschitz constant :math:`L\max_t\eta_t/\min_t\eta_t` (worst contraction, largest
+    shift-to-noise ratio; derivation in :func:`~jaxdp.training.plan_privacy`), so a schedule never reports
+    less than the constant rate would. DP-SGD's guarantee does not depend on the learning
+    rate: any schedule is accepted as is.
 
     Args:
       model: Flax NNX module whose ``nnx.Param`` variables are trained (not modified).
@@ -407,8 +408,9 @@ def train(
       data: :class:`jaxdp.data.Dataset` (its ``feature_norm_bound`` gives the convex
         models' constants; its test part gives ``test_accuracy``) or a pair ``(x, y)``
         (then pass ``lipschitz``/``smoothness`` for a convex guarantee).
-      learning_rate: :math:`\eta > 0`; for convex models the library's step-size rule
-        :math:`\eta \le 2/(\beta + \rho)`.
+      learning_rate: :math:`\eta > 0`, a 1-D array of per-step rates, or an optax schedule
+        (see above); for convex models the library's step-size rule
+        :math:`\eta_t \le 2/(\beta + \rho)` at every step.
       noise_multiplier: :math:`\nu > 0` (noise std over the sensitivity :math:`2C/b`).
       radius: :math:`R > 0` of the parameter ball; the accountant's :math:`D = 2R`.
       batch_size: :math:`b`, 1 to the number of training examples.
@@ -421,10 +423,12 @@ def train(
         reproductions: the run is then **not private** (anyone who knows the seed can
         regenerate the noise), a ``UserWarning`` says so, and the ledger and report
         carry ``fixed_noise_seed`` / ``not_private``.
-      loss_fn: ``loss_fn(model, x, y) -> (b,)`` per-example losses; default by model type.
+      loss_fn: ``loss_fn(model, x, y) -> (b,)`` per-example losses; default the model's own
+        ``loss(x, y)`` method (required when the model declares none).
       clip_norm: :math:`C`; default :math:`L` for convex models, required otherwise.
       lipschitz, smoothness: :math:`L` and :math:`\beta` of a user-declared convex loss.
-      strong_convexity: :math:`\rho \ge 0` of the loss (default 0).
+      strong_convexity: :math:`\rho \ge 0` of the loss (default: the model's declared
+        :math:`\rho`, else 0).
       convex: override the model's ``is_convex`` declaration.
       drop_remainder: skip the last :math:`n \bmod b` positions (see above).
       return_intermediates: also return every iterate; the report switches to composition
@@ -478,11 +482,13 @@ def train(
             raise ValueError("learning_rate and radius are required with algorithm='pnsgd'.")
         if optimizer is not None:
             raise ValueError("optimizer is for algorithm='dpsgd'; PNSGD's update is the analysed plain step.")
-        _validate.check_in_range("learning_rate", learning_rate, 0.0, math.inf, lo_open=True)
+        if not _is_schedule(learning_rate):  # a schedule is checked step by step by the plan
+            _validate.check_in_range("learning_rate", learning_rate, 0.0, math.inf, lo_open=True)
         _validate.check_in_range("radius", radius, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("delta", delta, 0.0, 1.0, lo_open=True, hi_open=True)
-    _validate.check_in_range("strong_convexity", strong_convexity, 0.0, math.inf)
+    if strong_convexity is not None:
+        _validate.check_in_range("strong_convexity", strong_convexity, 0.0, math.inf)
     _check_batch_size(batch_size)
     batch_size = int(batch_size)
     if isinstance(passes, bool) or not isinstance(passes, (int, np.integer)) or passes < 1:
@@ -508,49 +514,31 @@ def train(
     if y.shape != (x.shape[0],):
         raise ValueError(f"y must have shape ({x.shape[0]},), one label per example; got {y.shape}.")
 
-    loss_fn, constants = _default_loss_and_constants(model, loss_fn, x_bound)
     if algorithm == "dpsgd":
         from ._dpsgd_loop import train_dpsgd
 
         if schedule != "fixed" or return_intermediates:
             raise ValueError("algorithm='dpsgd' samples every step (no schedule) and its guarantee already covers "
                              "every iterate: leave schedule and return_intermediates at their defaults.")
+        if learning_rate is not None and _is_schedule(learning_rate):
+            # DP-SGD's guarantee does not depend on the learning rate: any schedule is free.
+            if optimizer is not None:
+                raise ValueError("pass a learning-rate schedule or an optimizer with algorithm='dpsgd', not both.")
+            fn, _ = _learning_rate_fn(learning_rate)
+            optimizer, learning_rate = optax.sgd(fn), None
         return train_dpsgd(
-            model, x, y, x_test, y_test, loss_fn=loss_fn, learning_rate=learning_rate, optimizer=optimizer,
-            noise_multiplier=noise_multiplier, clip_norm=clip_norm, batch_size=batch_size, passes=passes,
-            delta=delta, order_seed=order_seed, noise_seed=noise_seed, steps_per_call=steps_per_call,
+            model, x, y, x_test, y_test, loss_fn=declared_loss_fn(model, loss_fn), learning_rate=learning_rate,
+            optimizer=optimizer, noise_multiplier=noise_multiplier, clip_norm=clip_norm, batch_size=batch_size,
+            passes=passes, delta=delta, order_seed=order_seed, noise_seed=noise_seed, steps_per_call=steps_per_call,
             checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume, progress=progress,
             account=account, callback=callback, use_fast_path=use_fast_path, fingerprint=_fingerprint(x, y))
-    is_convex = bool(getattr(model, "is_convex", False)) if convex is None else bool(convex)
-    if lipschitz is not None or smoothness is not None:
-        if lipschitz is None or smoothness is None:
-            raise ValueError("pass both lipschitz and smoothness (the constants of a convex loss), or neither.")
-        constants = (float(lipschitz), float(smoothness))
-    if is_convex and constants is None:
-        raise ValueError(
-            "a convex guarantee needs the loss's constants: use a jaxdp.data.Dataset (its "
-            "feature_norm_bound gives them for LogisticRegression/SoftmaxRegression with their "
-            "default loss) or pass lipschitz= and smoothness=."
-        )
-    lip_bound, beta = (float(constants[0]), float(constants[1])) if (is_convex and constants) else (None, None)
-    if is_convex:
-        # The library's one step-size rule, 0 < eta <= 2/(beta + rho) (also checks rho <= beta).
-        _validate.check_learning_rate(learning_rate, beta, strong_convexity)
-        if x_bound is not None and constants is not None and lipschitz is None:
-            norms = np.linalg.norm(x.astype(np.float64), axis=1)
-            if norms.size and norms.max() > x_bound:
-                raise ValueError(
-                    f"a training row has L2 norm {norms.max():.9g} > feature_norm_bound = {x_bound:g}, "
-                    "so the model's Lipschitz bound does not hold."
-                )
-    if clip_norm is None:
-        if lip_bound is None:
-            raise ValueError(
-                "clip_norm is required for a model without a Lipschitz bound (e.g. an MLP): the "
-                "clipped gradient's norm C sets the sensitivity."
-            )
-        clip_norm = lip_bound
-    clip_norm = float(clip_norm)
+    # ---------------- planning: which analysis, and why (jaxdp.training.plan_privacy) ----------------
+    pp = _plan_privacy(model, x, x_bound, learning_rate=learning_rate, radius=radius, batch_size=batch_size,
+                       passes=passes, schedule=schedule, drop_remainder=drop_remainder, loss_fn=loss_fn,
+                       clip_norm=clip_norm, lipschitz=lipschitz, smoothness=smoothness,
+                       strong_convexity=strong_convexity, convex=convex, return_intermediates=return_intermediates)
+    loss_fn, is_convex, clip_norm, lip_bound, beta = pp.loss_fn, pp.convex, pp.clip_norm, pp.lipschitz_bound, pp.smoothness
+    strong_convexity, analysis, reason, acct_lip = pp.strong_convexity, pp.analysis, pp.reason, pp.lipschitz
     plan = _plan(x.shape[0], batch_size, drop_remainder)
     if steps_per_call is None:
         steps_per_call = plan.full_batches
@@ -565,26 +553,9 @@ def train(
     # ---------------- ledger ----------------
     noise_std = pnsgd_noise_std(noise_multiplier, clip_norm, batch_size)
     if return_intermediates:
-        analysis, reason = "composition", (
-            "return_intermediates=True releases every iterate, so amplification by iteration does "
-            "not apply; composition over the released steps holds")
         warnings.warn(
             "return_intermediates=True: releasing intermediate iterates voids the hidden-state "
             "guarantees; the reported epsilon is the composition bound.", UserWarning, stacklevel=2)
-    elif not is_convex:
-        analysis, reason = "composition", (
-            f"{type(model).__name__} is not convex: a gradient step is not a contraction, so the convex "
-            "analyses do not cover it; composition of the noisy steps (sensitivity 2C/b) holds")
-    elif clip_norm < lip_bound:
-        analysis, reason = "composition", (
-            f"clip_norm C={clip_norm:g} is below the Lipschitz bound L={lip_bound:g}: clipping may act on "
-            "a neighbouring data set, so the update is not known to be a contraction")
-    else:
-        analysis = "random-stop" if schedule == "random_stop" else "hidden-state"
-        reason = (
-            f"convex loss, L={lip_bound:g}, beta={beta:g}, eta={float(learning_rate):g} <= 2/(beta+rho), C={clip_norm:g} >= L "
-            "(no per-example gradient clipped, verified at run time), only the final iterate released")
-    acct_lip = min(clip_norm, lip_bound) if (lip_bound is not None and analysis != "composition") else clip_norm
 
     params0 = nnx.split(model, nnx.Param, ...)[1]
     leaves0 = jax.tree.leaves(params0)
@@ -597,7 +568,7 @@ def train(
     config = {
         "format": _FORMAT, "model": type(model).__qualname__, "loss_fn": getattr(loss_fn, "__qualname__", repr(loss_fn)),
         "params": str(jax.tree.map(lambda a: (tuple(a.shape), str(a.dtype)), params0)),
-        "data": _fingerprint(x, y), "learning_rate": float(learning_rate),
+        "data": _fingerprint(x, y), "learning_rate": rate_config(learning_rate, pp.learning_rates),
         "noise_multiplier": float(noise_multiplier), "radius": float(radius), "batch_size": batch_size,
         "passes": passes, "schedule": schedule, "delta": float(delta), "order_seed": int(order_seed), "clip_norm": clip_norm,
         "lipschitz": lip_bound, "smoothness": beta, "strong_convexity": float(strong_convexity),
@@ -616,14 +587,14 @@ def train(
         total = int(jax.random.randint(k_stop, (), 1, plan.steps_per_pass + 1))
     else:
         total = passes * plan.steps_per_pass
-    tx = pnsgd(float(learning_rate), float(noise_multiplier), clip_norm, float(radius), k_noise,
-               batch_size=batch_size)
+    tx = pnsgd(learning_rate if _is_schedule(learning_rate) else float(learning_rate), float(noise_multiplier),
+               clip_norm, float(radius), k_noise, batch_size=batch_size)
     from ._transforms import project_onto_l2_ball
 
     params0 = project_onto_l2_ball(params0, float(radius))  # a start inside K
     ledger = PrivacyLedger(
         analysis=analysis, reason=reason, convex=is_convex, lipschitz=float(acct_lip), smoothness=beta,
-        strong_convexity=float(strong_convexity), learning_rate=float(learning_rate),
+        strong_convexity=float(strong_convexity), learning_rate=float(pp.learning_rate),
         noise_multiplier=float(noise_multiplier), noise_std=float(noise_std), clip_norm=clip_norm,
         lipschitz_bound=lip_bound, diameter=2.0 * float(radius), records=plan.records,
         unused=plan.n_total - plan.records, batch_size=batch_size, passes=passes,

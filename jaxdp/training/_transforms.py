@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from .. import _validate
@@ -205,7 +206,7 @@ def project_l2_ball(radius) -> optax.GradientTransformation:
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def pnsgd_noise_std(noise_multiplier, clip_norm, batch_size: int = 1) -> float:
+def pnsgd_noise_std(noise_multiplier, clip_norm, batch_size: int = 1):
     r"""Standard deviation of the gradient noise :math:`Z` that :func:`pnsgd` adds.
 
     .. math::
@@ -216,6 +217,10 @@ def pnsgd_noise_std(noise_multiplier, clip_norm, batch_size: int = 1) -> float:
     :math:`\sigma_Z` is the :math:`\sigma` of the hidden-state accountants (noise on the
     averaged gradient, with Lipschitz constant :math:`L = C`); see :func:`pnsgd`.
 
+    Array-like inputs (as in optax): concrete scalars give a Python float and are
+    validated; arrays or traced values (inside ``jit``/``vmap``/``grad``) give a JAX array
+    and are not validated (invalid values propagate as NaN or inf).
+
     Examples:
       >>> pnsgd_noise_std(1.0, clip_norm=1.0, batch_size=4)
       0.5
@@ -223,7 +228,10 @@ def pnsgd_noise_std(noise_multiplier, clip_norm, batch_size: int = 1) -> float:
     _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf)
     _validate.check_in_range("clip_norm", clip_norm, 0.0, math.inf, lo_open=True)
     _check_batch_size(batch_size)
-    return float(noise_multiplier) * 2.0 * float(clip_norm) / int(batch_size)
+    values = (noise_multiplier, clip_norm, batch_size)
+    if all(_validate.is_concrete(v) and np.ndim(v) == 0 for v in values):
+        return float(noise_multiplier) * 2.0 * float(clip_norm) / int(batch_size)
+    return jnp.asarray(noise_multiplier) * 2.0 * jnp.asarray(clip_norm) / jnp.asarray(batch_size)
 
 
 def _check_batch_size(batch_size) -> None:
@@ -231,8 +239,63 @@ def _check_batch_size(batch_size) -> None:
         hasattr(batch_size, "dtype") and jnp.issubdtype(batch_size.dtype, jnp.integer)
     ):
         raise ValueError(f"batch_size must be a positive integer; got {batch_size!r}.")
-    if int(batch_size) < 1:
+    if _validate.is_concrete(batch_size) and np.any(np.asarray(batch_size) < 1):
         raise ValueError(f"batch_size must be a positive integer; got {batch_size}.")
+
+
+def _learning_rate_fn(learning_rate):
+    r"""The step size of step ``count`` as a function, for a constant, an array or a schedule.
+
+    * a scalar :math:`\eta` (float, or a traced array): the constant ``η``;
+    * a 1-D array of per-step rates :math:`(\eta_0, \eta_1, \dots)`: step ``count`` uses
+      ``rates[min(count, len - 1)]`` (the last rate repeats);
+    * a callable (an optax schedule ``count -> η``): itself.
+
+    Returns ``(fn, rates)``: ``fn(count)`` is traceable; ``rates`` is the concrete array of
+    per-step rates for a 1-D array, else ``None``.
+
+    Examples:
+      >>> fn, rates = _learning_rate_fn([0.5, 0.25])
+      >>> [float(fn(c)) for c in (0, 1, 5)], rates.tolist()
+      ([0.5, 0.25, 0.25], [0.5, 0.25])
+    """
+    if callable(learning_rate):
+        return learning_rate, None
+    if np.ndim(learning_rate) == 0:
+        return (lambda count: learning_rate), None
+    if np.ndim(learning_rate) != 1 or np.shape(learning_rate)[0] == 0:
+        raise ValueError(
+            "learning_rate must be a scalar, a non-empty 1-D array of per-step rates or a schedule "
+            f"(a callable count -> rate); got shape {np.shape(learning_rate)}.")
+    rates = jnp.asarray(learning_rate)
+    last = rates.shape[0] - 1
+    concrete = np.asarray(learning_rate, np.float64) if _validate.is_concrete(learning_rate) else None
+
+    def fn(count):
+        return rates[jnp.minimum(count, last)]
+
+    return fn, concrete
+
+
+def _schedule_rates(learning_rate, num_steps: int) -> np.ndarray:
+    r"""The concrete step sizes :math:`\eta_0, \dots, \eta_{T-1}` of ``num_steps`` steps, float64.
+
+    For a schedule, its values at ``count = 0..T-1``; for a 1-D array, its first ``T``
+    entries (the last repeated); for a scalar, ``T`` copies.
+
+    Examples:
+      >>> import optax
+      >>> _schedule_rates(optax.linear_schedule(1.0, 0.5, 2), 3).tolist()
+      [1.0, 0.75, 0.5]
+    """
+    num_steps = int(num_steps)
+    if callable(learning_rate):
+        counts = jnp.arange(num_steps, dtype=jnp.int32)
+        return np.asarray(jax.vmap(lambda c: jnp.asarray(learning_rate(c)))(counts), np.float64).reshape(num_steps)
+    rates = np.asarray(learning_rate, np.float64)  # the given values exactly, not their float32 rounding
+    if rates.ndim == 0:
+        return np.full(num_steps, float(rates))
+    return rates[np.minimum(np.arange(num_steps), rates.shape[0] - 1)]
 
 
 def pnsgd(learning_rate, noise_multiplier, clip_norm, radius, key, batch_size: int = 1,
@@ -291,7 +354,11 @@ def pnsgd(learning_rate, noise_multiplier, clip_norm, radius, key, batch_size: i
     point is data-independent and in :math:`K`, and only the final iterate is released.
 
     Args:
-      learning_rate: :math:`\eta > 0` (constant; the analyses need a fixed step).
+      learning_rate: :math:`\eta > 0`: a scalar (array-like, may be traced), a 1-D array of
+        per-step rates :math:`\eta_t` (the last repeats), or an optax schedule
+        ``count -> η``. The hidden-state analyses need :math:`\eta_t \le 2/(\beta+\rho)` at
+        every step and are told the schedule by :func:`~jaxdp.training.train` (see its
+        docstring: the run is accounted at the bounding constant step).
       noise_multiplier: :math:`\nu \ge 0` (see above).
       clip_norm: :math:`C > 0`, the per-example clip norm used to compute :math:`g`.
       radius: :math:`R > 0`.
@@ -323,16 +390,19 @@ def pnsgd(learning_rate, noise_multiplier, clip_norm, radius, key, batch_size: i
       >>> optax.apply_updates(params, u).tolist()  # Π(0 − 0.5·(−4, 0)) = Π((2, 0))
       [1.0, 0.0]
     """
-    _validate.check_in_range("learning_rate", learning_rate, 0.0, math.inf, lo_open=True)
+    fn, _ = _learning_rate_fn(learning_rate)
+    if not callable(learning_rate):
+        _validate.check_in_range("learning_rate", learning_rate, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf)
     _validate.check_in_range("clip_norm", clip_norm, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("radius", radius, 0.0, math.inf, lo_open=True)
     _check_batch_size(batch_size)
-    if smoothness is not None:
-        _validate.check_learning_rate(learning_rate, smoothness)  # the library's one step-size rule
+    if smoothness is not None and not callable(learning_rate):
+        # the library's one step-size rule, at every step of a per-step array
+        _validate.check_learning_rate(learning_rate, smoothness)
     noise_std = pnsgd_noise_std(noise_multiplier, clip_norm, batch_size)
-    return optax.chain(
-        add_gaussian_noise(noise_std, key),
-        optax.scale(-jnp.asarray(learning_rate)),
-        project_l2_ball(radius),
-    )
+    if np.ndim(learning_rate) == 0 and not callable(learning_rate):
+        step = optax.scale(-jnp.asarray(learning_rate))
+    else:
+        step = optax.scale_by_schedule(lambda count: -fn(count))
+    return optax.chain(add_gaussian_noise(noise_std, key), step, project_l2_ball(radius))

@@ -90,9 +90,12 @@ def test_bad_construction():
 
 
 def test_constants_closed_form():
-    assert logistic_loss_constants(3.0) == pytest.approx((math.sqrt(10.0), 2.5))
-    assert softmax_loss_constants(3.0) == pytest.approx((math.sqrt(20.0), 5.0))
-    assert softmax_loss_constants(0.0) == pytest.approx((math.sqrt(2.0), 0.5))
+    assert logistic_loss_constants(3.0)[:2] == pytest.approx((math.sqrt(10.0), 2.5))
+    assert softmax_loss_constants(3.0)[:2] == pytest.approx((math.sqrt(20.0), 5.0))
+    assert softmax_loss_constants(0.0)[:2] == pytest.approx((math.sqrt(2.0), 0.5))
+    # Convex, rho = 0, valid for every theta.
+    assert logistic_loss_constants(3.0)[2:] == (0.0, True, math.inf)
+    assert softmax_loss_constants(3.0)[2:] == (0.0, True, math.inf)
 
 
 def test_losses_match_closed_forms():
