@@ -224,7 +224,8 @@ def clipped_norms_at_checkpoints(model: nnx.Module, data, checkpoint_dir, *, los
       >>> norms.checkpoint_steps.tolist(), norms.r.shape, norms.ledger.steps_done
       ([0, 4], (40, 2), 8)
     """
-    from ._loop import _default_loss_and_constants, _fingerprint
+    from ._loop import _fingerprint
+    from ._plan import declared_loss_fn
 
     chunk_size = _check_chunk_size(chunk_size)
     if not isinstance(model, nnx.Module):
@@ -242,7 +243,7 @@ def clipped_norms_at_checkpoints(model: nnx.Module, data, checkpoint_dir, *, los
             raise ValueError(f"checkpoint_dir {str(checkpoint_dir)!r} does not hold a DP-SGD run "
                              "(train(..., algorithm='dpsgd')): per-instance accounting needs its ledger.")
         ledger = DPSGDLedger.from_json(meta["ledger"])
-        loss_fn, _ = _default_loss_and_constants(model, loss_fn, None)
+        loss_fn = declared_loss_fn(model, loss_fn)
         graphdef, params0, rest = nnx.split(model, nnx.Param, ...)
         if _param_signature(params0) != config.get("params"):
             raise ValueError(f"model does not have the parameters of the checkpointed run ({config.get('model')}, "
