@@ -78,7 +78,7 @@ def check_delta(value: Any, name: str = "delta") -> None:
     bad = arr < DELTA_MIN
     if np.any(bad):
         raise ValueError(f"{name} must be in [2.2250738585072014e-308, 1) (the smallest normal float64 up to 1; "
-                         f"a subnormal delta has no reliable logarithm); got {_first_bad(arr, bad)}.")
+                         f"a subnormal delta has no reliable logarithm); got {float(arr[bad].ravel()[0])!r}.")
 
 
 def _fmt(lo: float, hi: float, lo_open: bool, hi_open: bool) -> str:
