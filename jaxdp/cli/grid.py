@@ -60,7 +60,7 @@ def run(args) -> int:
     try:  # the heat map is optional: its failure must not lose the results (CSV written, summary printed)
         _heatmap(png_path, qs, noise_multipliers, steps, eps, args.delta)
         plot_error = None
-    except Exception as exc:  # noqa: BLE001 - matplotlib and OS errors alike, reported in one line
+    except Exception as exc:  # matplotlib and OS errors alike, reported in one line
         plot_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     payload = dict(configurations=n, seconds=elapsed, csv=csv_path, png=None if plot_error else png_path,
                    epsilon_min=float(np.nanmin(eps)), epsilon_max=float(np.nanmax(eps)))

@@ -275,7 +275,7 @@ def _write_plot(plot, rep, title) -> int:
     except OSError as exc:
         print(f"jaxdp: error: --plot cannot write {plot!r}: {exc.strerror or exc}", file=sys.stderr)
         return 1
-    except Exception as exc:  # noqa: BLE001 - any plotting failure, after the results were printed
+    except Exception as exc:  # any plotting failure, after the results were printed
         first = str(exc).splitlines()[0] if str(exc) else ""
         print(f"jaxdp: error: --plot could not write {plot!r} ({type(exc).__name__}: {first})", file=sys.stderr)
         return 1

@@ -433,9 +433,16 @@ def train(
       checkpoint_dir: if given, save an atomic orbax checkpoint every ``checkpoint_every``
         steps (default: every pass) and at the end.
       checkpoint_every: steps between checkpoints (rounded up to a call boundary).
-      resume: continue from the latest checkpoint in ``checkpoint_dir`` (which must come
-        from the same configuration and data). Without it, a non-empty ``checkpoint_dir``
-        is an error, so no run silently restarts and spends its budget twice.
+      resume: continue from the newest intact checkpoint in ``checkpoint_dir`` (which must
+        come from the same configuration and data; newer folders that are not intact
+        checkpoints are skipped with a warning). The checkpoint's integrity record is
+        checked and its privacy ledger is recomputed from the configuration and the restored
+        step counter: an edited or corrupted checkpoint is refused in one line. Without
+        ``resume``, a non-empty ``checkpoint_dir`` is an error, so no run silently restarts
+        and spends its budget twice. Checkpoint folders are named by a save counter, never
+        by the step; with ``schedule="random_stop"`` the finished run keeps only its final
+        checkpoint, under the counter a whole pass would reach, so the listing does not
+        reveal the secret stopping step.
       progress: show a tqdm progress bar with ε (best/median/worst) as training goes,
         and print the final table (:meth:`~jaxdp.training.PrivacyReport.table`).
       account: compute the final :class:`~jaxdp.training.PrivacyReport`.
