@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import jaxdp.accounting as A
@@ -146,17 +146,32 @@ BAD_DELTA = st.one_of(st.floats(max_value=0.0), st.floats(min_value=1.0), st.jus
                       st.floats(min_value=5e-324, max_value=DELTA_MIN, exclude_max=True))
 
 
+BAD = {"q": BAD_Q, "noise_multiplier": BAD_SIGMA, "num_steps": BAD_STEPS, "delta": BAD_DELTA}
+# Each accountant with valid arguments; every parameter named in BAD is fuzzed with invalid values.
+CALLS = {
+    "dpsgd_epsilon": (A.dpsgd_epsilon, dict(q=0.01, noise_multiplier=1.0, num_steps=100.0, delta=1e-5)),
+    "schedule_epsilon": (A.schedule_epsilon, dict(q=[0.01], noise_multiplier=[1.0], num_steps=[100.0], delta=1e-5)),
+    "sampled_gaussian_rdp": (A.sampled_gaussian_rdp, dict(orders=[2.0], q=0.01, noise_multiplier=1.0)),
+    "gaussian_rdp": (A.gaussian_rdp, dict(orders=[2.0], noise_multiplier=1.0)),
+    "gaussian_mechanism_epsilon": (A.gaussian_mechanism_epsilon, dict(delta=1e-5, noise_multiplier=1.0)),
+    "rdp_to_epsilon": (A.rdp_to_epsilon, dict(rdp=[0.1], orders=[2.0], delta=1e-5)),
+}
+
+
 @FUZZ
-@given(which=st.sampled_from(["q", "noise_multiplier", "num_steps", "delta"]), data=st.data())
-def test_invalid_inputs_are_rejected_naming_the_parameter(which, data):
-    args = dict(q=0.01, noise_multiplier=1.0, num_steps=100.0, delta=1e-5)
-    bad = {"q": BAD_Q, "noise_multiplier": BAD_SIGMA, "num_steps": BAD_STEPS, "delta": BAD_DELTA}[which]
-    args[which] = data.draw(bad)
+@given(call=st.sampled_from(sorted(CALLS)), data=st.data())
+def test_invalid_inputs_are_rejected_naming_the_parameter(call, data):
+    fn, args = CALLS[call]
+    which = data.draw(st.sampled_from([k for k in args if k in BAD]))
+    bad = data.draw(BAD[which])
+    # The mechanism's curve accepts σ = +inf (no privacy loss at all): valid there.
+    assume(not (call == "gaussian_mechanism_epsilon" and bad == math.inf))
+    args = dict(args, **{which: [bad] if isinstance(args[which], list) else bad})
     with pytest.raises(ValueError, match=which):
-        A.dpsgd_epsilon(**args)
-    args[which] = np.array([])
-    with pytest.raises(ValueError, match=which):
-        A.dpsgd_epsilon(**args)
+        fn(**args)
+    if which != "delta":  # an empty batch of values has no answer either
+        with pytest.raises(ValueError, match=which):
+            fn(**dict(args, **{which: np.array([])}))
 
 
 # ---------------------------------------------------------------------------------------

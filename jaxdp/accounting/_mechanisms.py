@@ -175,6 +175,7 @@ def calibrate_laplace_scale(epsilon, sensitivity=1.0) -> jax.Array:
 
 
 def _check_noise_multiplier(noise_multiplier) -> None:
+    _validate.check_nonempty("noise_multiplier", noise_multiplier)
     _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True, allow_inf=True)
 
 
