@@ -176,6 +176,8 @@ def run(args) -> int:
         start = time.perf_counter()
         with warnings.catch_warnings():  # the command prints its own NOT PRIVATE line
             warnings.filterwarnings("ignore", message="noise_seed is fixed", category=UserWarning)
+            # Other warnings (e.g. a skipped damaged checkpoint) as one line each, no source line.
+            warnings.showwarning = lambda message, *_a, **_k: print(f"jaxdp: warning: {message}", file=sys.stderr)
             res = train(
                 model, ds, algorithm=args.algorithm, learning_rate=args.learning_rate,
                 noise_multiplier=args.noise_multiplier, radius=None if args.algorithm == "dpsgd" else args.radius,
