@@ -19,7 +19,10 @@ import numpy as np
 __all__ = [
     "is_concrete",
     "check_in_range",
+    "check_delta",
     "check_integer",
+    "check_nonempty",
+    "DELTA_MIN",
     "check_positions",
     "check_not_above",
     "check_learning_rate",
@@ -40,6 +43,42 @@ def is_concrete(x: Any) -> bool:
     if isinstance(x, (list, tuple)):
         return all(is_concrete(v) for v in x)
     return True
+
+
+# The smallest δ accepted: the smallest normal float64. A subnormal δ has lost relative
+# precision and XLA on CPU flushes subnormals to zero (log δ = -inf), so it is refused.
+DELTA_MIN = float(np.finfo(np.float64).tiny)  # 2.2250738585072014e-308
+
+
+def _check_numeric(name: str, value: Any) -> None:
+    """A string (or an array of strings or objects) is not a number, even when it parses as one."""
+    if isinstance(value, (str, bytes)):
+        raise ValueError(f"{name} must be a number, not a string; got {value!r}.")
+    if isinstance(value, (list, tuple)) and any(isinstance(v, (str, bytes)) for v in value):
+        raise ValueError(f"{name} must hold numbers, not strings; got {value!r}.")
+    kind = getattr(value, "dtype", None)
+    if kind is not None and np.dtype(kind).kind in "USOV":
+        raise ValueError(f"{name} must hold numbers; got an array of dtype {np.dtype(kind)}.")
+
+
+def check_nonempty(name: str, value: Any) -> None:
+    """A concrete array argument must hold at least one value (an empty batch has no answer)."""
+    if not is_concrete(value):
+        return
+    if np.size(np.asarray(value, dtype=object) if isinstance(value, (list, tuple)) else value) == 0:
+        raise ValueError(f"{name} must hold at least one value; got an empty array.")
+
+
+def check_delta(value: Any, name: str = "delta") -> None:
+    """δ must lie in [DELTA_MIN, 1): the smallest normal float64 up to 1, excluded."""
+    check_in_range(name, value, 0.0, 1.0, lo_open=True, hi_open=True)
+    if not is_concrete(value):
+        return
+    arr = np.asarray(value, dtype=np.float64)
+    bad = arr < DELTA_MIN
+    if np.any(bad):
+        raise ValueError(f"{name} must be in [2.2250738585072014e-308, 1) (the smallest normal float64 up to 1; "
+                         f"a subnormal delta has no reliable logarithm); got {float(arr[bad].ravel()[0])!r}.")
 
 
 def _fmt(lo: float, hi: float, lo_open: bool, hi_open: bool) -> str:
@@ -66,6 +105,7 @@ def check_in_range(
     """
     if not is_concrete(value):
         return
+    _check_numeric(name, value)
     arr = np.asarray(value, dtype=np.float64)
     interval = _fmt(lo, hi, lo_open, hi_open)
     if np.any(np.isnan(arr)):

@@ -252,3 +252,70 @@ def test_per_instance_end_to_end(dpsgd_run, tmp_path, capsys):
     table = np.loadtxt(tmp_path / "p.csv", delimiter=",", skiprows=1)
     assert np.all(table[:, 3] == pytest.approx(data["epsilon"]))
     assert np.all(table[:, 2] <= data["epsilon"] * 1.05)  # the realised ledger (17 orders) vs the guarantee (156)
+
+
+# ---------------------------------------------------------------------------------------
+# Fuzzing failures: extreme inputs, lost work, edited checkpoints
+# ---------------------------------------------------------------------------------------
+
+EPS = ["epsilon", "--q", "0.01", "--num-steps", "1000"]
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        ([*EPS, "--noise-multiplier", "1.1", "--delta", "1e-320"], "--delta must be in [2.2250738585072014e-308, 1)"),
+        ([*EPS, "--noise-multiplier", "nan", "--delta", "1e-5"], "--noise-multiplier"),
+        (["grid", "--q", ",", "--noise-multiplier", "1", "--num-steps", "10", "--delta", "1e-5"], "--q"),
+        (["grid", "--q", "0.1", "--noise-multiplier", "1", "--num-steps", "10", "--delta", "1e-320"], "--delta"),
+        (["train", "--smoke", "--plot", "eps.notanimage"], "--plot"),
+    ],
+)
+def test_edge_inputs_one_line_exit_2(argv, needle, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("jaxdp: error:") and "\n" not in err and needle in err, err
+
+
+def test_extreme_noise_multipliers_give_zero_and_inf(capsys):
+    assert main([*EPS, "--noise-multiplier", "1e300", "--delta", "1e-5", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["epsilon"] == 0.0  # sigma -> inf: epsilon -> 0
+    assert main([*EPS, "--noise-multiplier", "1e-300", "--delta", "1e-5", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["epsilon"] == float("inf")  # not certifiable: +inf
+
+
+def test_grid_heat_map_failure_keeps_the_results(tmp_path, capsys, monkeypatch):
+    from jaxdp.cli import grid
+
+    def broken(*a, **k):
+        raise RuntimeError("no display\nsecond line")
+
+    monkeypatch.setattr(grid, "_heatmap", broken)
+    rc = main(["grid", "--q", "0.01,0.02", "--noise-multiplier", "1", "--num-steps", "10", "--delta", "1e-5",
+               "--out", str(tmp_path)])
+    cap = capsys.readouterr()
+    assert rc == 1 and "epsilon from" in cap.out and (tmp_path / "epsilon_grid.csv").exists()
+    assert cap.err.count("\n") == 1 and "heat map" in cap.err and "second line" not in cap.err
+
+
+def test_train_plot_failure_keeps_the_result_and_edited_checkpoint_is_refused(tmp_path, capsys, monkeypatch):
+    from jaxdp.cli import train as train_cli
+
+    def broken(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(train_cli, "_plot", broken)
+    ck = tmp_path / "ck"
+    rc = main(["train", "--smoke", "--plot", str(tmp_path / "eps.png"), "--checkpoint-dir", str(ck)])
+    cap = capsys.readouterr()
+    assert rc == 1 and "guarantee of the released model: epsilon =" in cap.out  # the result came first
+    assert cap.err.count("\n") == 1 and "--plot cannot write" in cap.err
+    # Edit the ledger of the saved checkpoint (the fuzzing attack), then resume: refused in one line.
+    meta_file = max((p for p in ck.iterdir() if p.name.isdigit()), key=lambda p: int(p.name)) / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    meta["ledger"]["noise_multiplier"] = 100.0
+    meta_file.write_text(json.dumps(meta))
+    rc = main(["train", "--smoke", "--plot", "none", "--checkpoint-dir", str(ck), "--resume"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("jaxdp: error:") and err.count("\n") == 1 and "integrity" in err, err

@@ -264,7 +264,15 @@ def _kov_core(eps, dlt, k, total, max_k):
 def _amplify(eps, dlt, rate):
     valid = (eps >= 0) & jnp.isfinite(eps) & (dlt >= 0) & (dlt <= 1) & (rate >= 0) & (rate <= 1)
     # log(1 + r(e^ε - 1)) with log1p/expm1: exact to rounding for small r and small ε.
-    e = jnp.log1p(rate * jnp.expm1(jnp.where(valid, eps, 0.0)))
+    # Past ε = 700 e^ε overflows (inf, and 0·inf = NaN at r = 0): there the same value is
+    # log((1 - r) + r e^ε) = logaddexp(log1p(-r), log r + ε), with no overflow at any r.
+    small = eps <= 700.0
+    e_small = jnp.log1p(rate * jnp.expm1(jnp.where(valid & small, eps, 0.0)))
+    r_pos = jnp.where(rate > 0, rate, 1.0)
+    log_r = jnp.where(rate > 0, jnp.log(r_pos), -jnp.inf)
+    e_big = jnp.logaddexp(jnp.log1p(-jnp.where(rate < 1, rate, 0.0)) + jnp.where(rate < 1, 0.0, -jnp.inf),
+                          log_r + jnp.where(valid & ~small, eps, 701.0))
+    e = jnp.where(small, e_small, e_big)
     return _nan_unless(valid, e), _nan_unless(valid, rate * dlt)
 
 

@@ -325,7 +325,7 @@ def _solve_eps(log_delta_fn, params, log_target: jax.Array, eps_hi: jax.Array, s
 
 
 def _check_delta_target(delta) -> None:
-    _validate.check_in_range("delta", delta, 0.0, 1.0, lo_open=True, hi_open=True)
+    _validate.check_delta(delta)
 
 
 @float64

@@ -36,7 +36,11 @@ def _check(rdp, orders, name, value, lo, hi, lo_open, hi_open, method):
     _validate.check_static_choice("method", method, _METHODS)
     _validate.check_orders("orders", orders)
     _validate.check_in_range("rdp", rdp, 0.0, math.inf, allow_inf=True)
-    _validate.check_in_range(name, value, lo, hi, lo_open=lo_open, hi_open=hi_open)
+    _validate.check_nonempty("rdp", rdp)
+    if name == "delta":
+        _validate.check_delta(value)
+    else:
+        _validate.check_in_range(name, value, lo, hi, lo_open=lo_open, hi_open=hi_open)
 
 
 @float64
@@ -55,12 +59,14 @@ def rdp_to_epsilon(rdp, orders, delta, *, method: str = "improved") -> EpsilonRe
     Args:
       rdp: RDP values, shape ``batch + (k,)`` (orders on the last axis), each ≥ 0.
       orders: Rényi orders > 1, shape ``(k,)``.
-      delta: target δ in (0, 1), broadcastable with ``batch``.
+      delta: target δ in [2.2250738585072014e-308, 1) (from the smallest normal float64:
+        a subnormal δ is refused), broadcastable with ``batch``.
       method: ``"improved"`` or ``"classic"`` (static).
 
     Returns:
       ``EpsilonResult(epsilon, order)`` with shapes ``batch``; ε ≥ 0 is float64. Under
-      ``jit`` an invalid δ or a negative/NaN RDP value gives NaN (never an optimistic ε).
+      ``jit`` an invalid δ (subnormal included) or a negative/NaN RDP value gives NaN
+      (never an optimistic ε).
 
     References:
       C. Canonne, G. Kamath, T. Steinke, "The Discrete Gaussian for Differential Privacy",
@@ -78,9 +84,10 @@ def rdp_to_epsilon(rdp, orders, delta, *, method: str = "improved") -> EpsilonRe
     rdp = f64(rdp)
     orders = f64(orders)
     delta = f64(delta)[..., None]
-    bad = ~((delta > 0) & (delta < 1)) | jnp.any(~(rdp >= 0), axis=-1, keepdims=True)
+    ok_delta = (delta >= _validate.DELTA_MIN) & (delta < 1)
+    bad = ~ok_delta | jnp.any(~(rdp >= 0), axis=-1, keepdims=True)
     r = jnp.where(rdp >= 0, rdp, 0.0)
-    d = jnp.where((delta > 0) & (delta < 1), delta, 0.5)
+    d = jnp.where(ok_delta, delta, 0.5)
     if method == "classic":
         eps = r - jnp.log(d) / (orders - 1.0)
     else:

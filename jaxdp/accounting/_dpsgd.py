@@ -45,20 +45,26 @@ def dpsgd_epsilon(q, noise_multiplier, num_steps, delta, orders=DEFAULT_ORDERS, 
       noise_multiplier: σ > 0, noise standard deviation divided by the L2 sensitivity C of
         the clipped sum (add/remove-one neighbours, as dp_accounting and Opacus).
       num_steps: number of steps ≥ 0.
-      delta: target δ in (0, 1).
+      delta: target δ in [2.2250738585072014e-308, 1) (subnormal δ is refused).
       orders: Rényi orders (static), default the 156 of dp_accounting.
       method: RDP → DP conversion, ``"improved"`` (default) or ``"classic"``.
 
     Returns:
-      float64 ε with the broadcast shape of the arguments. Invalid values under ``jit``
-      give NaN.
+      float64 ε with the broadcast shape of the arguments: → 0 as σ → ∞, +inf when σ is
+      too small to certify (below 1e-100). Invalid values under ``jit`` give NaN; eagerly
+      they (and empty arrays, strings) raise ``ValueError`` naming the parameter.
 
     Examples:
       >>> import jaxdp
       >>> round(float(jaxdp.accounting.dpsgd_epsilon(256 / 60000, 1.1, 14040, 1e-5)), 6)
       2.594363
     """
+    for name, value in (("q", q), ("noise_multiplier", noise_multiplier), ("num_steps", num_steps), ("delta", delta)):
+        _validate.check_nonempty(name, value)
+    _validate.check_in_range("q", q, 0.0, 1.0)
+    _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("num_steps", num_steps, 0.0, math.inf)
+    _validate.check_delta(delta)
     q, sigma, steps, delta = (f64(x) for x in (q, noise_multiplier, num_steps, delta))
     q, sigma, steps, delta = jnp.broadcast_arrays(q, sigma, steps, delta)
     rdp = heterogeneous_rdp(orders, q[..., None], sigma[..., None], steps[..., None])
@@ -80,6 +86,9 @@ def schedule_epsilon(q, noise_multiplier, num_steps, delta, orders=DEFAULT_ORDER
       >>> float(e) > 0
       True
     """
+    for name, value in (("q", q), ("noise_multiplier", noise_multiplier), ("num_steps", num_steps)):
+        _validate.check_nonempty(name, value)
+    _validate.check_delta(delta)
     rdp = heterogeneous_rdp(orders, q, noise_multiplier, num_steps)
     return rdp_to_epsilon(rdp, orders, delta, method=method).epsilon
 

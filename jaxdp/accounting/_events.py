@@ -727,7 +727,7 @@ def epsilon(event: Event, delta, *, orders=DEFAULT_ORDERS, accountant: str = "rd
     """
     acc = _lookup(accountant)
     _prepare(event)
-    _validate.check_in_range("delta", delta, 0.0, 1.0, lo_open=True, hi_open=True)
+    _validate.check_delta(delta)
     orders_np = _validate.concrete_orders(orders)
     return acc.epsilon(event, f64(delta), orders_np)
 
@@ -789,7 +789,7 @@ def pnsgd_record_epsilon(event: PNSGD, delta, *, orders=DEFAULT_ORDERS) -> jax.A
     if not isinstance(event, PNSGD):
         raise ValueError(f"pnsgd_record_epsilon needs a PNSGD event; got {type(event).__name__}.")
     _prepare(event)
-    _validate.check_in_range("delta", delta, 0.0, 1.0, lo_open=True, hi_open=True)
+    _validate.check_delta(delta)
     orders_np = _validate.concrete_orders(orders)
     positions = jnp.arange(1, event.num_records + 1, dtype=jnp.float64)
 

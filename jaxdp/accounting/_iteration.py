@@ -498,7 +498,7 @@ def linear_rdp_epsilon(coefficient, delta, *, method: str = "improved") -> jax.A
     """
     _validate.check_static_choice("method", method, _CONVERSION_METHODS)
     _validate.check_in_range("coefficient", coefficient, 0.0, math.inf, allow_inf=True)
-    _validate.check_in_range("delta", delta, 0.0, 1.0, lo_open=True, hi_open=True)
+    _validate.check_delta(delta)
     c = f64(coefficient)
     dlt = f64(delta)
     valid = (c >= 0) & (dlt > 0) & (dlt < 1)

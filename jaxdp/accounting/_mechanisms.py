@@ -175,6 +175,7 @@ def calibrate_laplace_scale(epsilon, sensitivity=1.0) -> jax.Array:
 
 
 def _check_noise_multiplier(noise_multiplier) -> None:
+    _validate.check_nonempty("noise_multiplier", noise_multiplier)
     _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True, allow_inf=True)
 
 
@@ -257,7 +258,7 @@ def gaussian_mechanism_epsilon(delta, noise_multiplier) -> jax.Array:
       >>> round(float(jaxdp.accounting.gaussian_mechanism_epsilon(1e-5, 1.0)), 6)
       4.377178
     """
-    _validate.check_in_range("delta", delta, 0.0, 1.0, lo_open=True, hi_open=True)
+    _validate.check_delta(delta)
     _check_noise_multiplier(noise_multiplier)
     return _gaussian_eps_core(f64(delta), f64(noise_multiplier))
 
@@ -354,7 +355,7 @@ def calibrate_gaussian_noise_multiplier(epsilon, delta, *, method: str = "analyt
     _validate.check_static_choice("method", method, GAUSSIAN_CALIBRATIONS)
     eps_hi = 1.0 if method == "dwork_roth" else math.inf
     _validate.check_in_range("epsilon", epsilon, 0.0, eps_hi, lo_open=True, hi_open=method == "dwork_roth")
-    _validate.check_in_range("delta", delta, 0.0, 1.0, lo_open=True, hi_open=True)
+    _validate.check_delta(delta)
     return _calibrate_core(f64(epsilon), f64(delta), method)
 
 

@@ -481,7 +481,7 @@ def per_instance_dpsgd_privacy(
     """
     orders_np = _validate.concrete_orders(PER_INSTANCE_ORDERS if orders is None else orders)
     _check_common(q, noise_multiplier, r)
-    _validate.check_in_range("delta", delta, 0.0, 1.0, lo_open=True, hi_open=True)
+    _validate.check_delta(delta)
     _validate.check_static_choice("order_rounding", order_rounding, _ROUNDINGS)
     _validate.check_static_choice("method", method, ("improved", "classic"))
     if isinstance(order_levels, bool) or int(order_levels) != order_levels or order_levels < 1:
@@ -685,7 +685,7 @@ def individual_filter_privacy(orders, q, noise_multiplier, r, budget, delta, *, 
     orders_np = _validate.concrete_orders(orders)
     _check_common(q, noise_multiplier, r)
     _validate.check_in_range("budget", budget, 0.0, math.inf, allow_inf=True)
-    _validate.check_in_range("delta", delta, 0.0, 1.0, lo_open=True, hi_open=True)
+    _validate.check_delta(delta)
     _validate.check_static_choice("method", method, ("improved", "classic"))
     r = f64(r)
     if r.ndim < 1:

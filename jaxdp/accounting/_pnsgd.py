@@ -374,7 +374,7 @@ def pnsgd_privacy(
     """
     _validate.check_static_choice("strongly_convex_form", strongly_convex_form, _SC_FORMS)
     _validate_run(lipschitz, smoothness, learning_rate, noise_std, diameter, strong_convexity, batch_size, passes)
-    _validate.check_in_range("delta", delta, 0.0, 1.0, lo_open=True, hi_open=True)
+    _validate.check_delta(delta)
     if positions is None:
         if not isinstance(num_records, (int, np.integer)) or isinstance(num_records, bool):
             if _validate.is_concrete(num_records) and np.ndim(num_records) == 0 and float(num_records) == int(float(num_records)):
@@ -550,7 +550,7 @@ def calibrate_pnsgd_noise_std(
     _validate.check_static_choice("analysis", analysis, _ANALYSES)
     _validate.check_static_choice("strongly_convex_form", strongly_convex_form, _SC_FORMS)
     _validate.check_in_range("epsilon", epsilon, 0.0, math.inf, lo_open=True)
-    _validate.check_in_range("delta", delta, 0.0, 1.0, lo_open=True, hi_open=True)
+    _validate.check_delta(delta)
     _validate.check_in_range("lipschitz", lipschitz, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("diameter", diameter, 0.0, math.inf, lo_open=True)
     check_learning_rate(learning_rate, smoothness, strong_convexity)

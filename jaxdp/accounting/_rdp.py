@@ -37,6 +37,13 @@ _B2_TERMS = 32  # k = 2 .. 33: truncation error below (0.5)^34/34! relative
 _CHUNK = 64  # configurations per chunk in large batches
 _ROUNDING_MARGIN_LOG = -46.0 * math.log(2.0)
 _NEG = -1e300  # stands for log 0 in masked entries (finite, so gradients stay finite)
+# Outside [_SIGMA_MIN, _SIGMA_MAX] the series' σ² or 1/(2σ²) leave float64's range (NaN at
+# 1e±300 before). RDP is non-increasing in σ (more noise is post-processing), so a larger σ
+# is evaluated at _SIGMA_MAX (an upper bound, below 1e-190 per order at α ≤ 2^16: ε → 0),
+# and a smaller one with 0 < q < 1 gives +inf (an upper bound: the exact value is beyond
+# 1e190 there).
+_SIGMA_MAX = 1e100
+_SIGMA_MIN = 1e-100
 
 
 @float64
@@ -60,6 +67,8 @@ def gaussian_rdp(orders, noise_multiplier) -> jax.Array:
       [0.25, 1.0]
     """
     _validate.check_orders("orders", orders)
+    _validate.check_nonempty("orders", orders)
+    _validate.check_nonempty("noise_multiplier", noise_multiplier)
     _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True)
     orders = f64(orders)
     sigma = f64(noise_multiplier)[..., None]
@@ -357,6 +366,8 @@ def sampled_gaussian_rdp(orders, q, noise_multiplier) -> jax.Array:
       True
     """
     orders_np = _validate.concrete_orders(orders)
+    _validate.check_nonempty("q", q)
+    _validate.check_nonempty("noise_multiplier", noise_multiplier)
     _validate.check_in_range("q", q, 0.0, 1.0)
     _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True)
     return _sgm_rdp_jit(tuple(orders_np.tolist()), f64(q), f64(noise_multiplier))
@@ -387,7 +398,7 @@ def _sgm_rdp(plan: _Plan, orders_np: np.ndarray, q: jax.Array, sigma: jax.Array)
     # Double-where: evaluate the series at harmless values where it is not used, so
     # gradients at q = 0, q = 1 or at invalid inputs stay finite.
     qs = jnp.where(inner, q, 0.5)
-    ss = jnp.where(valid, sigma, 1.0)
+    ss = jnp.where(valid, jnp.clip(sigma, _SIGMA_MIN, _SIGMA_MAX), 1.0)
     log_q = jnp.log(qs)
     log_1mq = jnp.log1p(-qs)
     lams, alphas, positions = [], [], []
@@ -410,7 +421,9 @@ def _sgm_rdp(plan: _Plan, orders_np: np.ndarray, q: jax.Array, sigma: jax.Array)
     out = jnp.logaddexp(0.0, lam) / (np.concatenate(alphas) - 1.0)
     out = take(out, np.argsort(np.concatenate(positions)), axis=-1)
     orders_j = jnp.asarray(orders_np)
-    full = orders_j / (2.0 * ss[..., None] ** 2)  # q = 1: the Gaussian mechanism
+    out = jnp.where((inner & (sigma < _SIGMA_MIN))[..., None], jnp.inf, out)
+    sv = jnp.where(valid, sigma, 1.0)
+    full = orders_j / (2.0 * sv[..., None] ** 2)  # q = 1: the Gaussian mechanism
     out = jnp.where((q == 1)[..., None], full, out)
     out = jnp.where((q == 0)[..., None], 0.0, out)
     return jnp.where(valid[..., None], out, jnp.nan)
@@ -436,6 +449,7 @@ def heterogeneous_rdp(orders, q, noise_multiplier, num_steps) -> jax.Array:
       >>> [round(float(v), 6) for v in r]
       [2.0, 4.0]
     """
+    _validate.check_nonempty("num_steps", num_steps)
     _validate.check_in_range("num_steps", num_steps, 0.0, math.inf)
     steps_arr = jnp.ceil(f64(num_steps))
     per_step = sampled_gaussian_rdp(orders, q, noise_multiplier)  # (..., S, k)
@@ -493,6 +507,8 @@ def laplace_rdp(orders, noise_multiplier) -> jax.Array:
       True
     """
     _validate.check_orders("orders", orders)
+    _validate.check_nonempty("orders", orders)
+    _validate.check_nonempty("noise_multiplier", noise_multiplier)
     _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True)
     orders = f64(orders)
     lam = f64(noise_multiplier)[..., None]

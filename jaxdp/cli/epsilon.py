@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import sys
+
 from ._common import add_conversion_options, emit, number, orders
 
 
@@ -26,6 +29,10 @@ def run(args) -> int:
     rdp = A.heterogeneous_rdp(o, [args.q], [args.noise_multiplier], [args.num_steps])
     res = A.rdp_to_epsilon(rdp, o, args.delta, method=args.method)
     eps, order = float(res.epsilon), float(res.order)
+    if math.isnan(eps):  # never print "epsilon = nan" with success
+        print("jaxdp: error: the accountant returned NaN for these inputs (a bug: please report the command)",
+              file=sys.stderr)
+        return 1
     payload = dict(q=args.q, noise_multiplier=args.noise_multiplier, num_steps=args.num_steps, delta=args.delta,
                    method=args.method, epsilon=eps, order=order)
     emit(args, payload, [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 
 from ._common import UsageError, add_conversion_options, emit, number, orders, values
 
@@ -56,15 +57,21 @@ def run(args) -> int:
         for q, s, t, e in zip(qg.ravel(), sg.ravel(), tg.ravel(), eps.ravel()):
             fh.write(f"{q:.10g},{s:.10g},{t:.10g},{args.delta:.10g},{e:.10g}\n")
     png_path = os.path.join(args.out, "epsilon_grid.png")
-    _heatmap(png_path, qs, noise_multipliers, steps, eps, args.delta)
-    payload = dict(configurations=n, seconds=elapsed, csv=csv_path, png=png_path,
+    try:  # the heat map is optional: its failure must not lose the results (CSV written, summary printed)
+        _heatmap(png_path, qs, noise_multipliers, steps, eps, args.delta)
+        plot_error = None
+    except Exception as exc:  # matplotlib and OS errors alike, reported in one line
+        plot_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    payload = dict(configurations=n, seconds=elapsed, csv=csv_path, png=None if plot_error else png_path,
                    epsilon_min=float(np.nanmin(eps)), epsilon_max=float(np.nanmax(eps)))
     emit(args, payload, [
         f"{n} configurations in {elapsed:.2f} s (one vmapped call, compilation included)",
         f"epsilon from {np.nanmin(eps):.4g} to {np.nanmax(eps):.4g} at delta = {args.delta:g}",
         f"wrote {csv_path}",
-        f"wrote {png_path}",
-    ])
+    ] + ([] if plot_error else [f"wrote {png_path}"]))
+    if plot_error:
+        print(f"jaxdp: error: the heat map {png_path!r} could not be written ({plot_error})", file=sys.stderr)
+        return 1
     return 0
 
 

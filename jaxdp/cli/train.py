@@ -176,6 +176,8 @@ def run(args) -> int:
         start = time.perf_counter()
         with warnings.catch_warnings():  # the command prints its own NOT PRIVATE line
             warnings.filterwarnings("ignore", message="noise_seed is fixed", category=UserWarning)
+            # Other warnings (e.g. a skipped damaged checkpoint) as one line each, no source line.
+            warnings.showwarning = lambda message, *_a, **_k: print(f"jaxdp: warning: {message}", file=sys.stderr)
             res = train(
                 model, ds, algorithm=args.algorithm, learning_rate=args.learning_rate,
                 noise_multiplier=args.noise_multiplier, radius=None if args.algorithm == "dpsgd" else args.radius,
@@ -275,6 +277,10 @@ def _write_plot(plot, rep, title) -> int:
     except OSError as exc:
         print(f"jaxdp: error: --plot cannot write {plot!r}: {exc.strerror or exc}", file=sys.stderr)
         return 1
+    except Exception as exc:  # any plotting failure, after the results were printed
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        print(f"jaxdp: error: --plot could not write {plot!r} ({type(exc).__name__}: {first})", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -285,3 +291,13 @@ def _check_writable(path: str) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
         raise _Usage(f"--plot cannot write {path!r}: its folder does not exist or is not writable")
+    if os.path.isdir(path) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise _Usage(f"--plot cannot write {path!r}: it is a folder or a file that is not writable")
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    if ext:
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        kinds = FigureCanvasBase.get_supported_filetypes()
+        if ext not in kinds:
+            raise _Usage(f"--plot cannot write {path!r}: unknown image type .{ext} (use one of "
+                         f"{', '.join(sorted(kinds))})")

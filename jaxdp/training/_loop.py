@@ -41,7 +41,7 @@ import optax
 from flax import nnx
 
 from .. import _validate
-from ._checkpoint import Checkpointer, latest_checkpoint_step
+from ._checkpoint import Checkpointer, _index_dirs
 from ._clipping import clipped_grad_sum
 from ._ledger import NOT_PRIVATE, PrivacyLedger, PrivacyReport, demote, privacy_report
 from ._plan import _is_schedule, _plan_privacy, declared_loss_fn, rate_config
@@ -437,9 +437,16 @@ def train(
       checkpoint_dir: if given, save an atomic orbax checkpoint every ``checkpoint_every``
         steps (default: every pass) and at the end.
       checkpoint_every: steps between checkpoints (rounded up to a call boundary).
-      resume: continue from the latest checkpoint in ``checkpoint_dir`` (which must come
-        from the same configuration and data). Without it, a non-empty ``checkpoint_dir``
-        is an error, so no run silently restarts and spends its budget twice.
+      resume: continue from the newest intact checkpoint in ``checkpoint_dir`` (which must
+        come from the same configuration and data; newer folders that are not intact
+        checkpoints are skipped with a warning). The checkpoint's integrity record is
+        checked and its privacy ledger is recomputed from the configuration and the restored
+        step counter: an edited or corrupted checkpoint is refused in one line. Without
+        ``resume``, a non-empty ``checkpoint_dir`` is an error, so no run silently restarts
+        and spends its budget twice. Checkpoint folders are named by a save counter, never
+        by the step; with ``schedule="random_stop"`` the finished run keeps only its final
+        checkpoint, under the counter a whole pass would reach, so the listing does not
+        reveal the secret stopping step.
       progress: show a tqdm progress bar with ε (best/median/worst) as training goes,
         and print the final table (:meth:`~jaxdp.training.PrivacyReport.table`).
       account: compute the final :class:`~jaxdp.training.PrivacyReport`.
@@ -486,7 +493,7 @@ def train(
             _validate.check_in_range("learning_rate", learning_rate, 0.0, math.inf, lo_open=True)
         _validate.check_in_range("radius", radius, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True)
-    _validate.check_in_range("delta", delta, 0.0, 1.0, lo_open=True, hi_open=True)
+    _validate.check_delta(delta)
     if strong_convexity is not None:
         _validate.check_in_range("strong_convexity", strong_convexity, 0.0, math.inf)
     _check_batch_size(batch_size)
@@ -672,7 +679,14 @@ def train(
                                carry[4], led)
             done = steps_done >= total
             if ckpt is not None and (done or steps_done - last_saved >= checkpoint_every):
-                ckpt.save_train(steps_done, _to_arrays(state), {"ledger": led.to_json(), "config": config})
+                meta = {"ledger": led.to_json(), "config": config}
+                if done and schedule == "random_stop":
+                    # The stopped state alone, under the index a whole pass would reach: the finished
+                    # run's listing is the same whatever the secret stopping step.
+                    ckpt.save_train(steps_done, _to_arrays(state), meta, only=True,
+                                    index=_public_index(ckpt, plan.steps_per_pass, checkpoint_every))
+                else:
+                    ckpt.save_train(steps_done, _to_arrays(state), meta)
                 last_saved = steps_done
             if pbar is not None:
                 pbar.update(length)
@@ -708,20 +722,48 @@ def _open_checkpoints(checkpoint_dir, resume: bool):
     """A Checkpointer for ``checkpoint_dir`` (or None); a non-empty one needs ``resume``."""
     if checkpoint_dir is None:
         return None
-    latest = latest_checkpoint_step(checkpoint_dir)
-    if latest is not None and not resume:
+    ck = Checkpointer(checkpoint_dir)
+    if not resume and _index_dirs(ck.directory):
+        # No step in the message: with random stopping it is secret.
         raise ValueError(
-            f"checkpoint_dir {str(checkpoint_dir)!r} already holds a checkpoint (step {latest}): pass "
+            f"checkpoint_dir {str(checkpoint_dir)!r} already holds a checkpoint: pass "
             "resume=True to continue that run, or use an empty directory."
         )
-    return Checkpointer(checkpoint_dir)
+    return ck
+
+
+def _public_index(ckpt, steps_per_pass: int, checkpoint_every: int) -> int:
+    """The save index of a random-stop run's final checkpoint: what a whole pass would reach."""
+    present = _index_dirs(ckpt.directory)
+    return max(-(-steps_per_pass // checkpoint_every) + 1, (present[0] + 1) if present else 1)
+
+
+def _refuse(ckpt, checkpoint_dir, what: str):
+    ckpt.close()
+    return ValueError(f"the checkpoint in {str(checkpoint_dir)!r} {what}; refusing to resume from it.")
 
 
 def _resume(ckpt, state: TrainState, config: dict, checkpoint_dir, ledger_cls) -> TrainState:
-    """``state`` from the latest checkpoint, if any; a checkpoint of another configuration is refused."""
-    if ckpt is None or ckpt.latest_step() is None:
+    """``state`` from the newest intact checkpoint, if any, with its ledger recomputed.
+
+    A checkpoint of another configuration is refused. The stored ledger is not trusted:
+    the ledger is recomputed from this run's configuration (``state.ledger``, built from the
+    same arguments) and the restored step counter, stopping time and clipping counters, and
+    any disagreement with the stored one (e.g. an edited ``steps_done`` or noise multiplier)
+    is refused in one line. Newer directories that are not intact checkpoints are skipped
+    with a warning (:meth:`Checkpointer.restore`).
+    """
+    if ckpt is None or not _index_dirs(ckpt.directory):
         return state
-    arrays, meta = ckpt.restore(_like_arrays(state))
+    try:
+        arrays, meta = ckpt.restore(_like_arrays(state))
+    except FileNotFoundError as err:
+        ckpt.close()
+        raise ValueError(f"checkpoint_dir {str(checkpoint_dir)!r} holds no intact checkpoint to resume "
+                         f"({str(err).splitlines()[0]}).") from None
+    except ValueError as err:
+        ckpt.close()
+        raise ValueError(str(err).splitlines()[0]) from None
     if meta.get("config") != config:
         old = meta.get("config") or {}
         diff = next((k for k in sorted(set(old) | set(config)) if old.get(k) != config.get(k)), "?")
@@ -731,7 +773,45 @@ def _resume(ckpt, state: TrainState, config: dict, checkpoint_dir, ledger_cls) -
             f"({diff}: checkpoint {old.get(diff)!r}, now {config.get(diff)!r}); resume it with the same "
             "settings and data, or use another directory."
         )
-    return _from_arrays(arrays, state, ledger_cls.from_json(meta["ledger"]))
+    restored = _from_arrays(arrays, state, state.ledger)
+    try:
+        stored = ledger_cls.from_json(meta["ledger"])
+    except (KeyError, TypeError):
+        raise _refuse(ckpt, checkpoint_dir, "has no readable privacy ledger") from None
+    expected = _expected_ledger(state.ledger, restored, stored)
+    if expected is None or meta.get("_step") != int(restored.step):
+        raise _refuse(ckpt, checkpoint_dir, "has an impossible step counter or stopping time")
+    # A checkpoint of a fixed-seed (not private) run stays not private; a private run resumed
+    # with a fixed seed becomes not private: the flag may only go up.
+    if stored != expected._replace(fixed_noise_seed=stored.fixed_noise_seed):
+        field = next(f for f in stored._fields if getattr(stored, f) != getattr(expected, f))
+        # The values are not printed: steps_done and total_steps are secret with random stopping.
+        raise _refuse(ckpt, checkpoint_dir, f"has a privacy ledger that disagrees with its configuration and step "
+                                            f"counter (field {field})")
+    return restored._replace(ledger=expected)
+
+
+def _expected_ledger(initial, restored: TrainState, stored):
+    """The ledger a run of this configuration has after ``restored.step`` steps, or None if impossible."""
+    step, total = int(restored.step), int(restored.total_steps)
+    schedule = getattr(initial, "schedule", "fixed")
+    if schedule == "random_stop":
+        if not 1 <= total <= initial.steps_per_pass:
+            return None
+    elif total != initial.total_steps:
+        return None
+    if not 0 <= step <= total:
+        return None
+    led = initial._replace(steps_done=step, total_steps=total, max_grad_norm=float(restored.max_grad_norm),
+                           fixed_noise_seed=bool(initial.fixed_noise_seed or stored.fixed_noise_seed))
+    if isinstance(initial, PrivacyLedger):
+        led = led._replace(clipped=int(restored.clipped))
+        if led.clipped > 0:
+            from ._ledger import _clipping_reason
+
+            # demote keeps the reason of the first clipping, whose counts are not recorded.
+            led = demote(led, stored.reason if stored.analysis == "composition" else _clipping_reason(led))
+    return led
 
 
 def _finish(graphdef, rest, state, account, progress, x_test, y_test, pdtype, intermediates, history,

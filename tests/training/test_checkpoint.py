@@ -165,3 +165,99 @@ def test_sigkill_mid_run_then_resume_equals_uninterrupted(tmp_path, uninterrupte
         np.testing.assert_array_equal(a, b)
     with open(out + ".json") as f:
         assert json.load(f) == json.loads(json.dumps(uninterrupted.state.ledger.to_json()))
+
+
+# ----------------------------------------------------------------------------------------
+# Tamper evidence, fallback to the newest intact checkpoint, no secret in names.
+# ----------------------------------------------------------------------------------------
+
+SMALL = dict(RUN, passes=1)  # 10 steps
+
+
+def _crashed_run(ckdir, at=6, **kw):
+    def crash(state):
+        if int(state.step) >= at:
+            raise _Crash
+
+    with pytest.raises(_Crash):
+        train(_model(), _data(), checkpoint_dir=ckdir, checkpoint_every=2, callback=crash, **dict(SMALL, **kw))
+
+
+def _newest(ckdir):
+    return max((p for p in ckdir.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+
+
+def test_edited_ledger_is_refused_in_one_line(tmp_path):
+    ckdir = tmp_path / "ck"
+    _crashed_run(ckdir)
+    meta_file = _newest(ckdir) / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    meta["ledger"]["steps_done"] = 1  # the fuzzing attack: spend less than was spent
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="integrity check") as err:
+        train(_model(), _data(), checkpoint_dir=ckdir, checkpoint_every=2, resume=True, **SMALL)
+    assert "\n" not in str(err.value)
+
+
+def test_forged_ledger_with_a_valid_hash_is_refused(tmp_path):
+    # Someone who recomputes the hash: the ledger is recomputed from the configuration and
+    # the step counter, and the disagreement is refused.
+    import shutil
+
+    for field, value in (("steps_done", 2), ("noise_multiplier", 100.0)):
+        ckdir = tmp_path / field
+        _crashed_run(ckdir)
+        names = json.loads((_newest(ckdir) / "meta" / "metadata").read_text())["_arrays"]
+        ck = Checkpointer(ckdir)
+        arrays, meta = ck.restore({k: np.zeros(shape, dtype) for k, (shape, dtype) in names.items()})
+        meta = {k: v for k, v in meta.items() if k in ("ledger", "config", "_arrays")}
+        meta["ledger"] = dict(meta["ledger"], **{field: value})
+        ck.save(6, arrays, meta)  # a fresh, valid hash over the forged ledger
+        ck.close()
+        with pytest.raises(ValueError, match=f"disagrees with its configuration.*{field}") as err:
+            train(_model(), _data(), checkpoint_dir=ckdir, checkpoint_every=2, resume=True, **SMALL)
+        assert "\n" not in str(err.value) and "100" not in str(err.value)
+        shutil.rmtree(ckdir)
+
+
+def test_resume_falls_back_to_the_newest_intact_checkpoint(tmp_path):
+    ckdir = tmp_path / "ck"
+    full = train(_model(), _data(), **SMALL)
+    _crashed_run(ckdir)
+    import shutil
+
+    shutil.copytree(_newest(ckdir) / "state", ckdir / "10" / "state")  # a newest one without metadata
+    (ckdir / "9").mkdir()  # an empty newer directory
+    with pytest.warns(UserWarning, match="checkpoint 10 has no metadata; checkpoint 9 has no arrays"):
+        res = train(_model(), _data(), checkpoint_dir=ckdir, checkpoint_every=2, resume=True, **SMALL)
+    for a, b in zip(_leaves(res.state), _leaves(full.state)):
+        np.testing.assert_array_equal(a, b)
+    assert res.state.ledger == full.state.ledger
+
+
+def test_truncated_checkpoint_is_reported_in_one_line(tmp_path):
+    ckdir = tmp_path / "ck"
+    _crashed_run(ckdir, at=2)  # a single checkpoint
+    for p in (ckdir / "1" / "state").rglob("*"):
+        if p.is_file() and p.stat().st_size > 0 and p.name != "commit_success.txt":
+            p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+    with pytest.raises(ValueError) as err:
+        train(_model(), _data(), checkpoint_dir=ckdir, checkpoint_every=2, resume=True, **SMALL)
+    msg = str(err.value)
+    assert "\n" not in msg and len(msg) < 500 and ("intact" in msg or "integrity" in msg), msg
+
+
+def test_random_stop_checkpoint_names_do_not_reveal_the_stopping_step(tmp_path):
+    listings, sizes, stops = [], [], []
+    for seed in (0, 3):
+        ckdir = tmp_path / f"ck{seed}"
+        res = train(_model(), _data(), checkpoint_dir=ckdir, checkpoint_every=1,
+                    **dict(SMALL, schedule="random_stop", noise_seed=seed))
+        stops.append(int(res.state.ledger.total_steps))
+        listings.append(sorted(str(p.relative_to(ckdir)) for p in ckdir.rglob("*")
+                               if "ocdbt" not in str(p) and p.parent.name != "d"))
+        sizes.append((ckdir / listings[-1][0].split("/")[0] / "meta" / "metadata").stat().st_size)
+        assert latest_checkpoint_step(ckdir) == stops[-1]  # the step is inside, for resuming
+    assert stops[0] != stops[1]
+    assert listings[0] == listings[1] and sizes[0] == sizes[1]
+    assert [p for p in listings[0] if "/" not in p] == ["11"]  # ceil(10 / 1) + 1, whatever the stop

@@ -1,0 +1,231 @@
+"""Fuzzing in the suite: property tests over the public accountants and the command.
+
+Extreme but valid inputs (q down to 1e-12, noise multipliers 0.05 to 1e4, up to 1e9 steps,
+orders up to 1e4, δ down to the smallest normal float64) must give a finite value or +inf,
+never NaN, and never less than the exact value computed with mpmath (tests/references.py)
+at the sampled points. Invalid inputs are always rejected with a ValueError naming the
+parameter, and the command answers every argument list with a result or a one-line error.
+
+CI runs a few dozen examples per property (seconds); JAXDP_SLOW=1 runs ten times more.
+"""
+
+import contextlib
+import io
+import math
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+import jaxdp.accounting as A
+from jaxdp.cli import main
+
+from .references import rdp_to_epsilon_improved, sgm_rdp_int
+
+SLOW = bool(os.environ.get("JAXDP_SLOW"))
+FUZZ = settings(max_examples=400 if SLOW else 30, deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+DELTA_MIN = float(np.finfo(np.float64).tiny)  # the smallest δ accepted (smallest normal float64)
+# jaxdp's value may sit below the 50-digit reference only by float64 rounding of the final
+# sums and logarithms (a few ulps, amplified by at most the ~40 terms summed): 1e-12 relative.
+BELOW_REL = 1e-12
+# The composed ε goes through T·r (T up to 1e9) and a logarithm: 1e-10 relative covers the
+# float64 rounding of those steps in either implementation.
+EPS_BELOW_REL = 1e-10
+
+
+def _log_uniform(lo, hi):
+    return st.floats(math.log10(lo), math.log10(hi)).map(lambda e: min(max(float(10.0**e), lo), hi))
+
+
+Q = st.one_of(st.just(0.0), st.just(1.0), _log_uniform(1e-12, 1.0).map(lambda v: min(v, 1.0)))
+SIGMA = _log_uniform(0.05, 1e4)
+STEPS = _log_uniform(1.0, 1e9).map(math.ceil).map(float)
+DELTA = st.one_of(st.just(DELTA_MIN), _log_uniform(DELTA_MIN, 0.5))
+# Order grids are static (one compilation each), so the fuzzing draws among a few.
+ORDER_GRIDS = (tuple(A.DEFAULT_ORDERS.tolist()), (1.5, 2.0, 32.0, 1e4), (1.01, 2.5, 10000.5))
+ORDERS = st.sampled_from(ORDER_GRIDS)
+INT_ORDERS = (2.0, 3.0, 8.0, 64.0)  # integer orders: exact reference by the binomial sum
+
+
+def _valid(x) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    assert not np.any(np.isnan(x)), x
+    assert np.all(x >= 0), x
+    return x
+
+
+@FUZZ
+@given(orders=ORDERS, q=Q, sigma=SIGMA)
+def test_sampled_gaussian_rdp_finite_or_inf(orders, q, sigma):
+    _valid(A.sampled_gaussian_rdp(orders, q, sigma))
+
+
+@FUZZ
+@given(q=Q, sigma=_log_uniform(0.05, 1e4), alpha=st.sampled_from(INT_ORDERS))
+def test_sampled_gaussian_rdp_never_below_mpmath(q, sigma, alpha):
+    got = float(_valid(A.sampled_gaussian_rdp([alpha], q, sigma))[0])
+    exact = sgm_rdp_int(q, sigma, int(alpha)) if 0 < q < 1 else (0.0 if q == 0 else alpha / (2 * sigma**2))
+    assert got >= exact * (1 - BELOW_REL), (got, exact)
+
+
+@FUZZ
+@given(q=Q, sigma=SIGMA, steps=STEPS, delta=DELTA)
+def test_dpsgd_epsilon_never_nan_never_below_exact(q, sigma, steps, delta):
+    got = float(_valid(A.dpsgd_epsilon(q, sigma, steps, delta, orders=INT_ORDERS)))
+    per_step = [sgm_rdp_int(q, sigma, int(a)) if 0 < q < 1 else (0.0 if q == 0 else a / (2 * sigma**2))
+                for a in INT_ORDERS]
+    exact = rdp_to_epsilon_improved(INT_ORDERS, [steps * r for r in per_step], delta)
+    assert got >= exact * (1 - EPS_BELOW_REL), (got, exact)
+    # The default grid (fractional orders too) is valid as well, and the event algebra agrees.
+    e = float(_valid(A.dpsgd_epsilon(q, sigma, steps, delta)))
+    assert e == float(A.epsilon(A.dpsgd_event(q, sigma, steps), delta))
+
+
+@FUZZ
+@given(orders=ORDERS, data=st.data(), delta=DELTA)
+def test_rdp_to_epsilon_never_below_the_formula(orders, data, delta):
+    rdp = data.draw(st.lists(st.one_of(st.just(0.0), st.just(math.inf), _log_uniform(1e-300, 1e300)),
+                             min_size=len(orders), max_size=len(orders)))
+    got = float(_valid(A.rdp_to_epsilon(np.array(rdp), orders, delta).epsilon))
+    exact = rdp_to_epsilon_improved(orders, rdp, delta)
+    assert got >= exact * (1 - EPS_BELOW_REL) or (math.isinf(exact) and math.isinf(got)), (got, exact)
+    d = float(A.rdp_to_delta(np.array(rdp), orders, got if math.isfinite(got) else 1.0).delta)
+    assert not math.isnan(d) and 0 <= d <= 1
+
+
+@FUZZ
+@given(orders=ORDERS, sigma=_log_uniform(1e-300, 1e300), q=Q)
+def test_rdp_of_any_noise_multiplier_is_finite_or_inf(orders, sigma, q):
+    # Beyond the fuzzing range as well: σ → ∞ gives 0, σ → 0 gives a large value or +inf.
+    for r in (A.gaussian_rdp(orders, sigma), A.laplace_rdp(orders, sigma), A.sampled_gaussian_rdp(orders, q, sigma)):
+        _valid(r)
+    if sigma >= 1e100:
+        assert float(A.dpsgd_epsilon(q, sigma, 1e9, 1e-5)) == 0.0
+
+
+@FUZZ
+@given(q=st.lists(Q, min_size=2, max_size=2), sigma=st.lists(SIGMA, min_size=2, max_size=2),
+       steps=st.lists(STEPS, min_size=2, max_size=2), delta=DELTA, orders=st.sampled_from(ORDER_GRIDS[:2]))
+def test_schedules_and_heterogeneous_rdp(q, sigma, steps, delta, orders):
+    _valid(A.heterogeneous_rdp(orders, q, sigma, steps))
+    _valid(A.schedule_epsilon(q, sigma, steps, delta, orders=orders))
+
+
+@FUZZ
+@given(sigma=SIGMA, delta=DELTA, eps=_log_uniform(1e-6, 1e3), q=Q)
+def test_mechanism_accountants(sigma, delta, eps, q):
+    _valid(A.gaussian_mechanism_epsilon(delta, sigma))
+    d = _valid(A.gaussian_mechanism_delta(eps, sigma))
+    assert d <= 1
+    _valid(A.gaussian_hockey_stick(eps, 1.0 / sigma))
+    _valid(A.laplace_hockey_stick(eps, 1.0, sigma))
+    e2, d2 = A.amplify_by_poisson_sampling(eps, delta, q)
+    _valid(e2), _valid(d2)
+
+
+@FUZZ
+@given(noise_std=_log_uniform(0.05, 1e4), delta=DELTA, num_records=st.integers(1, 10**6),
+       orders=st.sampled_from(((2.0, 8.0), (1.5, 1e4))))
+def test_pnsgd_accountants(noise_std, delta, num_records, orders):
+    positions = np.array([1, num_records])
+    _valid(A.pnsgd_iteration_rdp(orders, positions, num_records, 1.0, noise_std))
+    _valid(A.pnsgd_contraction_epsilon(delta, positions, num_records, 1.0, noise_std, 0.5, 2.0))
+
+
+# ---------------------------------------------------------------------------------------
+# Invalid inputs are always rejected, naming the parameter
+# ---------------------------------------------------------------------------------------
+
+BAD_Q = st.one_of(st.floats(max_value=-1e-300), st.floats(min_value=1.0 + 1e-15), st.just(math.nan), st.just("0.1"))
+BAD_SIGMA = st.one_of(st.floats(max_value=0.0), st.just(math.nan), st.just(math.inf), st.just("1"))
+BAD_STEPS = st.one_of(st.floats(max_value=-1e-300), st.just(math.nan), st.just(math.inf))
+BAD_DELTA = st.one_of(st.floats(max_value=0.0), st.floats(min_value=1.0), st.just(math.nan),
+                      st.floats(min_value=5e-324, max_value=DELTA_MIN, exclude_max=True))
+
+
+BAD = {"q": BAD_Q, "noise_multiplier": BAD_SIGMA, "num_steps": BAD_STEPS, "delta": BAD_DELTA}
+# Each accountant with valid arguments; every parameter named in BAD is fuzzed with invalid values.
+CALLS = {
+    "dpsgd_epsilon": (A.dpsgd_epsilon, dict(q=0.01, noise_multiplier=1.0, num_steps=100.0, delta=1e-5)),
+    "schedule_epsilon": (A.schedule_epsilon, dict(q=[0.01], noise_multiplier=[1.0], num_steps=[100.0], delta=1e-5)),
+    "sampled_gaussian_rdp": (A.sampled_gaussian_rdp, dict(orders=[2.0], q=0.01, noise_multiplier=1.0)),
+    "gaussian_rdp": (A.gaussian_rdp, dict(orders=[2.0], noise_multiplier=1.0)),
+    "gaussian_mechanism_epsilon": (A.gaussian_mechanism_epsilon, dict(delta=1e-5, noise_multiplier=1.0)),
+    "rdp_to_epsilon": (A.rdp_to_epsilon, dict(rdp=[0.1], orders=[2.0], delta=1e-5)),
+}
+
+
+@FUZZ
+@given(call=st.sampled_from(sorted(CALLS)), data=st.data())
+def test_invalid_inputs_are_rejected_naming_the_parameter(call, data):
+    fn, args = CALLS[call]
+    which = data.draw(st.sampled_from([k for k in args if k in BAD]))
+    bad = data.draw(BAD[which])
+    # The mechanism's curve accepts σ = +inf (no privacy loss at all): valid there.
+    assume(not (call == "gaussian_mechanism_epsilon" and bad == math.inf))
+    args = dict(args, **{which: [bad] if isinstance(args[which], list) else bad})
+    with pytest.raises(ValueError, match=which):
+        fn(**args)
+    if which != "delta":  # an empty batch of values has no answer either
+        with pytest.raises(ValueError, match=which):
+            fn(**dict(args, **{which: np.array([])}))
+
+
+# ---------------------------------------------------------------------------------------
+# The command: any argument list gives a result or a one-line error, never NaN or a traceback
+# ---------------------------------------------------------------------------------------
+
+NUMBER_TEXT = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True).map(repr),
+    st.sampled_from(["", "x", "1e-320", "1e300", "-0", "0", "1", ",", "1e-12", "nan", "inf", "0x10", " 0.5"]),
+)
+
+
+def _run(argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(argv)
+        except SystemExit as exc:  # argparse's own errors
+            rc = exc.code
+    return rc, out.getvalue(), err.getvalue()
+
+
+def _check_outcome(rc, out, err):
+    assert rc in (0, 2), (rc, err)
+    if rc == 2:
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("jaxdp: error:"), err
+        assert "Traceback" not in err
+    else:
+        assert "nan" not in out.lower(), out
+
+
+def _text(valid):
+    """Mostly valid values written as the user would (repr), sometimes anything at all."""
+    return st.one_of(valid.map(repr), valid.map(lambda v: f"{v:g}"), NUMBER_TEXT)
+
+
+@settings(FUZZ, max_examples=500 if SLOW else 50)
+@given(q=_text(Q), sigma=_text(SIGMA), steps=_text(STEPS), delta=_text(DELTA))
+def test_cli_epsilon_fuzzed(q, sigma, steps, delta):
+    argv = ["epsilon", f"--q={q}", f"--noise-multiplier={sigma}", f"--num-steps={steps}", f"--delta={delta}"]
+    rc, out, err = _run(argv)
+    _check_outcome(rc, out, err)
+    if rc == 0:
+        assert "epsilon = " in out
+
+
+@settings(FUZZ, max_examples=100 if SLOW else 15)
+@given(q=st.one_of(NUMBER_TEXT, st.sampled_from(["0.01,0.1", "1e-4:1e-1:2", "0:1:2", ":", "1:2:0", "a,b"])),
+       delta=NUMBER_TEXT)
+def test_cli_grid_fuzzed(q, delta, tmp_path_factory):
+    out = tmp_path_factory.mktemp("grid")
+    argv = ["grid", f"--q={q}", "--noise-multiplier=1", "--num-steps=10", f"--delta={delta}", "--out", str(out)]
+    rc, stdout, err = _run(argv)
+    _check_outcome(rc, stdout, err)
+    if rc == 0:
+        assert (out / "epsilon_grid.csv").exists()
