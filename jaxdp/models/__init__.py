@@ -19,3 +19,10 @@ __all__ = [
     "logistic_loss_constants",
     "softmax_loss_constants",
 ]
+
+from ._lipschitz import LipschitzDense as LipschitzDense  # noqa: E402
+from ._lipschitz import LipschitzMLP as LipschitzMLP  # noqa: E402
+from ._lipschitz import lipschitz_upper_bound as lipschitz_upper_bound  # noqa: E402
+from ._lipschitz import spectral_norms as spectral_norms  # noqa: E402
+
+__all__ += ["LipschitzDense", "LipschitzMLP", "lipschitz_upper_bound", "spectral_norms"]
