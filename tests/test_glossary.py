@@ -30,6 +30,7 @@ GLOSSARY = {
     "chunk_size", "assumptions",
     # DP-SBCD and Lipschitz networks
     "noise_temperature", "prox_lipschitz", "batch_index", "max_spectral_norm", "power_iterations", "penalty",
+    "weight_decay",
     # DP-SGD
     "optimizer", "algorithm", "capacity", "overflow", "mask",
     # randomness: the public order and the secret noise key

@@ -20,9 +20,9 @@ __all__ = [
     "softmax_loss_constants",
 ]
 
-from ._lipschitz import LipschitzDense as LipschitzDense  # noqa: E402
-from ._lipschitz import LipschitzMLP as LipschitzMLP  # noqa: E402
-from ._lipschitz import lipschitz_upper_bound as lipschitz_upper_bound  # noqa: E402
-from ._lipschitz import spectral_norms as spectral_norms  # noqa: E402
+from ._lipschitz import LipschitzDense as LipschitzDense
+from ._lipschitz import LipschitzMLP as LipschitzMLP
+from ._lipschitz import lipschitz_upper_bound as lipschitz_upper_bound
+from ._lipschitz import spectral_norms as spectral_norms
 
 __all__ += ["LipschitzDense", "LipschitzMLP", "lipschitz_upper_bound", "spectral_norms"]

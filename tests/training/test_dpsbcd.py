@@ -27,7 +27,8 @@ def test_weight_decay_prox_is_the_argmin():
     rng = np.random.default_rng(0)
     theta = rng.normal(size=6)
     for eta, lam in ((0.01, 1.0), (0.5, 2.0), (1.0, 0.0)):
-        res = minimize(lambda t: 0.5 * lam * t @ t + (t - theta) @ (t - theta) / (2 * eta), np.zeros(6), tol=1e-14)
+        res = minimize(lambda t, eta=eta, lam=lam: 0.5 * lam * t @ t + (t - theta) @ (t - theta) / (2 * eta),
+                       np.zeros(6), tol=1e-14)
         np.testing.assert_allclose(np.asarray(weight_decay_prox(jnp.asarray(theta), eta, lam)), res.x, atol=1e-7)
     assert not np.allclose(np.asarray(weight_decay_prox(jnp.asarray(theta), 0.01, 1.0)), 0.01 * theta / 1.01)
 
