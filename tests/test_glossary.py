@@ -28,6 +28,9 @@ GLOSSARY = {
     # per-instance accounting
     "budget", "consumed", "halted", "halt_step", "checkpoint_steps", "runs", "order_rounding", "order_levels",
     "chunk_size", "assumptions",
+    # DP-SBCD and Lipschitz networks
+    "noise_temperature", "prox_lipschitz", "batch_index", "max_spectral_norm", "power_iterations", "penalty",
+    "weight_decay",
     # DP-SGD
     "optimizer", "algorithm", "capacity", "overflow", "mask",
     # randomness: the public order and the secret noise key

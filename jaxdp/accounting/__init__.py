@@ -159,3 +159,10 @@ __all__ += [
     "per_instance_dpsgd_privacy",
     "per_instance_sampled_gaussian_rdp",
 ]
+
+# DP-SBCD (Chen & Liu 2024): hidden-state RDP of noisy block coordinate descent.
+from ._dpsbcd import dpsbcd_epsilon as dpsbcd_epsilon  # noqa: E402
+from ._dpsbcd import dpsbcd_rdp as dpsbcd_rdp  # noqa: E402
+from ._events import DPSBCD as DPSBCD  # noqa: E402
+
+__all__ += ["DPSBCD", "dpsbcd_epsilon", "dpsbcd_rdp"]

@@ -44,6 +44,7 @@ from ._contraction import (
     stop_pnsgd_contraction_epsilon,
 )
 from ._conversion import rdp_to_delta, rdp_to_epsilon
+from ._dpsbcd import dpsbcd_rdp
 from ._hockey_stick import gaussian_hockey_stick
 from ._iteration import linear_rdp_delta, pnsgd_iteration_rdp, stop_pnsgd_iteration_rdp
 from ._pnsgd import pnsgd_privacy
@@ -57,6 +58,7 @@ __all__ = [
     "SelfComposed",
     "Composed",
     "PNSGD",
+    "DPSBCD",
     "dpsgd_event",
     "relation_of",
     "rdp",
@@ -127,6 +129,13 @@ def _p_pnsgd_privacy(ev: PNSGD, target_delta, positions=None):
         passes=ev.passes,
         positions=positions,
     )
+
+
+def _p_dpsbcd_rdp(orders, ev: DPSBCD):
+    # keyword-only constants.
+    return dpsbcd_rdp(orders, ev.noise_temperature, learning_rate=ev.learning_rate, sensitivity=ev.sensitivity,
+                      contraction=ev.contraction, prox_lipschitz=ev.prox_lipschitz, num_records=ev.num_records,
+                      batch_size=ev.batch_size)
 
 
 def _p_pnsgd_iteration_rdp(orders, position, ev: PNSGD):
@@ -340,6 +349,43 @@ class PNSGD(Event):
             raise ValueError(f"PNSGD.hidden must be True or False; got {self.hidden!r}.")
 
 
+@_event(
+    data=("noise_temperature", "learning_rate", "sensitivity", "contraction", "prox_lipschitz"),
+    meta=("num_records", "batch_size", "relation"),
+)
+class DPSBCD(Event):
+    r"""A DP-SBCD run (Chen & Liu 2024): noisy proximal block-coordinate steps, final weights released.
+
+    Its RDP curve is :func:`~jaxdp.accounting.dpsbcd_rdp` (the hidden-state bound of
+    Theorem 4.6, summed over the layers as the paper claims in Section 4.2 **without
+    proof**; see there for every assumption). Leaves carry trailing axes of their own
+    (passes, layers), so a batch of these events is evaluated with ``jax.vmap``.
+
+    Attributes:
+      noise_temperature: o > 0, shape ``(passes,)`` or ``(passes, num_records // batch_size)``.
+      learning_rate, sensitivity, contraction, prox_lipschitz: η > 0, S_g ≥ 0, L_F > 0,
+        L_T > 0 (per layer or one for all; no defaults: the paper states none).
+      num_records, batch_size: n, a multiple of b (static Python ints).
+      relation: ``"replace_one"`` (S_g bounds the gradients of two different records).
+    """
+
+    noise_temperature: Any
+    learning_rate: Any
+    sensitivity: Any
+    contraction: Any
+    prox_lipschitz: Any
+    num_records: int
+    batch_size: int
+    relation: str = "replace_one"
+
+    def __post_init__(self):
+        _validate.check_static_choice("DPSBCD.relation", self.relation, ("replace_one",))
+        for name in ("num_records", "batch_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"DPSBCD.{name} must be a Python int >= 1 (it is static); got {v!r}.")
+
+
 def _is_structural(x) -> bool:
     # jax.tree_util builds events with placeholder children (object(), None, tracers) when
     # it flattens or maps; only reject values that are plainly numbers or arrays.
@@ -390,7 +436,7 @@ def relation_of(event: Event) -> str:
       >>> jaxdp.accounting.relation_of(jaxdp.accounting.dpsgd_event(0.01, 1.0, 100))
       'add_remove'
     """
-    if isinstance(event, (Gaussian, Laplace, PNSGD)):
+    if isinstance(event, (Gaussian, Laplace, PNSGD, DPSBCD)):
         return event.relation
     if isinstance(event, (PoissonSampled, SelfComposed)):
         return relation_of(event.event)
@@ -409,7 +455,7 @@ def relation_of(event: Event) -> str:
 
 def _check_rdp_support(event: Event, path: str = "event") -> None:
     """Raise ``ValueError`` if the RDP accountant has no analysis for a part of the tree."""
-    if isinstance(event, (Gaussian, Laplace)):
+    if isinstance(event, (Gaussian, Laplace, DPSBCD)):
         return
     if isinstance(event, PNSGD):
         _check_pnsgd_support(event, path)
@@ -487,6 +533,8 @@ def _validate_leaves(event: Event, path: str = "event") -> None:
                 raise ValueError(
                     f"{path}.learning_rate (PNSGD) must be < 2/(smoothness + strong_convexity); got {eta}."
                 )
+    elif isinstance(event, DPSBCD):
+        _p_dpsbcd_rdp([2.0], event)  # eager validation, naming the parameter
     else:
         raise TypeError(f"{path}: not a privacy event: {type(event).__name__}")
 
@@ -550,6 +598,8 @@ def _rdp_tree(event: Event, orders: np.ndarray):
         return total
     if isinstance(event, PNSGD):
         return _pnsgd_rdp(event, orders)
+    if isinstance(event, DPSBCD):
+        return _p_dpsbcd_rdp(orders, event)
     raise TypeError(f"not a privacy event: {type(event).__name__}")
 
 

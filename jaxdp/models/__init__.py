@@ -27,3 +27,10 @@ __all__ = [
     "squared_loss_constants",
     "HiddenStateModel",
 ]
+
+from ._lipschitz import LipschitzDense as LipschitzDense
+from ._lipschitz import LipschitzMLP as LipschitzMLP
+from ._lipschitz import lipschitz_upper_bound as lipschitz_upper_bound
+from ._lipschitz import spectral_norms as spectral_norms
+
+__all__ += ["LipschitzDense", "LipschitzMLP", "lipschitz_upper_bound", "spectral_norms"]

@@ -86,3 +86,9 @@ __all__ += [
     "per_point_clipped_norms",
     "per_point_privacy",
 ]
+
+# DP-SBCD (Chen & Liu 2024): a standalone driver (per-record lifted state, block updates).
+from ._dpsbcd import DPSBCDResult as DPSBCDResult  # noqa: E402
+from ._dpsbcd import train_dpsbcd as train_dpsbcd  # noqa: E402
+
+__all__ += ["DPSBCDResult", "train_dpsbcd"]

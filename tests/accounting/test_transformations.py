@@ -147,6 +147,12 @@ CASES.update({
         lambda x: A.individual_filter_privacy(ORD, 0.02, 1.3, jnp.stack([x] * 8), 4.0, 1e-5).rdp[-1], 0.5),
     "individual_filter_step": (
         lambda x: A.individual_filter_step(jnp.zeros(3), False, ORD, 0.02, 1.3, x, 4.0)[1][-1], 0.5),
+    # DP-SBCD (x: the sensitivity S_g; the noise schedule is a fixed per-pass array).
+    "dpsbcd_rdp": (lambda x: A.dpsbcd_rdp(ORD, (0.01, 0.02, 0.01), learning_rate=0.05, sensitivity=x,
+                                          contraction=0.97, prox_lipschitz=1.0, num_records=12, batch_size=3)[-1], 1.3),
+    "dpsbcd_epsilon": (lambda x: A.dpsbcd_epsilon(1e-5, (0.01, 0.02, 0.01), learning_rate=0.05, sensitivity=x,
+                                                  contraction=0.97, prox_lipschitz=1.0, num_records=12, batch_size=3,
+                                                  orders=ORD), 0.13),
 })
 # Not accountants: event constructors and helpers, the samplers (they keep the user's dtype,
 # tested in test_mechanisms.py), and a function of static orders returning NumPy.
