@@ -277,11 +277,12 @@ class _Recorder:
 
     kind = "linear"
 
-    def __init__(self, original, registry: list, probes, params: dict):
+    def __init__(self, original, registry: list, probes, params: dict, path: tuple = ()):
         self.original = original
         self.registry = registry
         self.probes = probes
         self.params = params  # the layer's real (differentiable) parameter values
+        self.path = path  # the layer's path in the model (keys of its parameters' State)
 
     def _finish(self, out, record):
         if "bias" in self.params:
@@ -376,7 +377,7 @@ def _instrumented(graphdef, rest, registry):
 
     def build(p, probes):
         model = nnx.merge(graphdef, p, rest)
-        for _, m in nnx.iter_modules(model):
+        for path, m in nnx.iter_modules(model):
             kind = type(m)
             if kind not in _OWNED:
                 continue
@@ -386,13 +387,14 @@ def _instrumented(graphdef, rest, registry):
                 if isinstance(var, nnx.Param):
                     real[attr] = var.value
                     var.value = jax.lax.stop_gradient(var.value)
+            path = tuple(path)
             if kind is nnx.Linear:
-                m.dot_general = _LinearRecorder(m.dot_general, registry, probes, real)
+                m.dot_general = _LinearRecorder(m.dot_general, registry, probes, real, path)
             elif kind is nnx.Conv:
-                m.conv_general_dilated = _ConvRecorder(m.conv_general_dilated, registry, probes, real)
+                m.conv_general_dilated = _ConvRecorder(m.conv_general_dilated, registry, probes, real, path)
             else:
                 m.__class__ = _RecordingEmbed
-                m._jaxdp_recorder = _Recorder(None, registry, probes, real)
+                m._jaxdp_recorder = _Recorder(None, registry, probes, real, path)
         return model
 
     return build
@@ -410,7 +412,8 @@ def _record_supported(rec, b: int) -> bool:
         return True
     if "conv" in rec:
         c = rec["conv"]
-        return c["groups"] == (1, 1) and c["dn"].lhs_spec[0] == 0 and c["dn"].out_spec[0] == 0
+        return (c["groups"] == (1, 1) and c["dn"].lhs_spec[0] == 0 and c["dn"].out_spec[0] == 0
+                and all(v == 1 for v in c["lhs_dilation"]))
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = rec["dims"]
     return (tuple(lhs_contract) == (inputs.ndim - 1,) and tuple(rhs_contract) == (0,)
             and not tuple(lhs_batch) and not tuple(rhs_batch) and rec["kernel_ndim"] == 2
@@ -490,18 +493,13 @@ def _sq_norm_positions(a: jax.Array, g: jax.Array) -> jax.Array:
 def _conv_patches(x: jax.Array, conv: dict) -> jax.Array:
     """Receptive-field patches of ``x`` as (b, d, T): the ``a_t`` of a convolution.
 
-    Slices of the padded input, one per kernel offset (pure data movement; the norm does
-    not depend on the order of the patch entries). A dilated input falls back to
-    ``lax.conv_general_dilated_patches``.
+    Slices of the padded input, one per kernel offset (pure data movement), ordered
+    (input channel, kernel offsets in row-major order). Input dilation is not supported
+    (such layers take the general path).
     """
     dn = conv["dn"]
     x = jnp.transpose(x, dn.lhs_spec)  # (b, C, *spatial)
     nsp = x.ndim - 2
-    if any(v != 1 for v in conv["lhs_dilation"]):
-        p = jax.lax.conv_general_dilated_patches(
-            x, conv["filter_shape"], conv["strides"], conv["padding"], conv["lhs_dilation"],
-            conv["rhs_dilation"], precision=jax.lax.Precision.HIGHEST)
-        return p.reshape(p.shape[0], p.shape[1], -1)
     dilated = [(k - 1) * r + 1 for k, r in zip(conv["filter_shape"], conv["rhs_dilation"], strict=True)]
     padding = conv["padding"]
     if isinstance(padding, str):
@@ -540,24 +538,64 @@ def _embed_sq_norm(ids: jax.Array, g: jax.Array, vocab: int) -> jax.Array:
     return jnp.sum(jnp.square(rows), axis=(1, 2))
 
 
-def _layer_sq_norm(rec, delta: jax.Array) -> jax.Array:
-    """Per-example squared norm of one recorded layer's parameter gradient (bias included)."""
+def _layer_factors(rec, delta: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(a, g)`` of one dense or conv layer: inputs (b, T, d) and output gradients (b, T, e)."""
     b = delta.shape[0]
-    if "ids" in rec:
-        return _embed_sq_norm(rec["ids"], delta, rec["vocab"])
     if "conv" in rec:
         dn = rec["conv"]["dn"]
         g = jnp.transpose(delta, dn.out_spec)  # (b, e, *out)
         g = jnp.swapaxes(g.reshape(b, g.shape[1], -1), 1, 2)  # (b, T, e)
-        a = jnp.swapaxes(_conv_patches(rec["inputs"], rec["conv"]), 1, 2).astype(g.dtype)  # (b, T, d)
+        a = jnp.swapaxes(_conv_patches(rec["inputs"], rec["conv"]), 1, 2)  # (b, T, d)
     else:
         a = rec["inputs"].reshape(b, -1, rec["inputs"].shape[-1])
         g = delta.reshape(b, -1, delta.shape[-1])
-        a = a.astype(jnp.result_type(a.dtype, g.dtype))
+    return a.astype(jnp.result_type(a.dtype, g.dtype)), g
+
+
+def _layer_sq_norm(rec, delta: jax.Array) -> jax.Array:
+    """Per-example squared norm of one recorded layer's parameter gradient (bias included)."""
+    if "ids" in rec:
+        return _embed_sq_norm(rec["ids"], delta, rec["vocab"])
+    a, g = _layer_factors(rec, delta)
     sq = _sq_norm_positions(a, g)
     if "bias" in rec["recorder"].params:
         sq = sq + jnp.sum(jnp.square(jnp.sum(g, axis=1)), axis=1)
     return sq
+
+
+def _layer_grad_sum(rec, delta: jax.Array, weights: jax.Array) -> dict:
+    r""":math:`\sum_i w_i \partial\ell_i/\partial\theta` for one layer's parameters, from its (a, δ).
+
+    The gradient of :math:`\sum_i w_i\ell_i` is the layer's usual parameter gradient with
+    each example's output gradients scaled by :math:`w_i`, contracted over examples and
+    positions: one matmul per layer instead of a second backward pass through the model.
+    """
+    params = rec["recorder"].params
+    hi = jax.lax.Precision.HIGHEST
+    w = weights.astype(delta.dtype).reshape((-1,) + (1,) * (delta.ndim - 1))
+    if "ids" in rec:
+        table = params["embedding"]
+        ids, g = rec["ids"].reshape(-1), (w * delta).reshape(-1, table.shape[-1])
+        ids = jnp.where(ids < 0, table.shape[0], ids)  # outside the table: dropped
+        return {"embedding": jnp.zeros(table.shape, g.dtype).at[ids].add(g, mode="drop")}
+    a, g = _layer_factors(rec, w * delta)
+    kernel = params["kernel"]
+    flat = jnp.einsum("btd,bte->de", a, g, precision=hi)  # (d, e)
+    if "conv" in rec:
+        # rows of ``flat`` are (input channel, kernel offsets): back to the kernel's layout.
+        conv = rec["conv"]
+        spec = conv["dn"].rhs_spec  # (out axis, in axis, spatial axes...)
+        nsp = len(conv["filter_shape"])
+        flat = flat.reshape((-1, *conv["filter_shape"], flat.shape[-1]))  # (I, *spatial, O)
+        perm = [0] * kernel.ndim
+        perm[spec[0]], perm[spec[1]] = nsp + 1, 0
+        for i in range(nsp):
+            perm[spec[2 + i]] = 1 + i
+        flat = jnp.transpose(flat, perm)
+    out = {"kernel": flat.reshape(kernel.shape)}
+    if "bias" in params:
+        out["bias"] = jnp.sum(g, axis=(0, 1)).reshape(params["bias"].shape)
+    return out
 
 
 def _fast(loss_fn, model, x, y, clip_norm, calls, mask=None) -> ClippedGrads:
@@ -571,6 +609,7 @@ def _fast(loss_fn, model, x, y, clip_norm, calls, mask=None) -> ClippedGrads:
         losses = loss_fn(build(p, probes_), x, y)
         return losses, [{"inputs": rec["inputs"], "ids": rec.get("ids")} for rec in registry]
 
+    # The parameters' cotangents are never used: under jit they are not computed.
     losses, vjp_fn, arrays = jax.vjp(f, params, probes, has_aux=True)
     # The aux output carries the recorded arrays; the static facts come from the registry.
     records = [{**reg, **{k: v for k, v in arr.items() if v is not None}}
@@ -581,10 +620,18 @@ def _fast(loss_fn, model, x, y, clip_norm, calls, mask=None) -> ClippedGrads:
         term = _layer_sq_norm(rec, delta)
         sq = term if sq is None else sq + term.astype(sq.dtype)
     norms, factor = _safe_clip_factor(sq, clip_norm)
-    # The weights are constants of the second backward pass (S = Σ c_i g_i).
-    factor = jax.lax.stop_gradient(_masked(factor, mask)).astype(losses.dtype)
-    grad_sum, _ = vjp_fn(factor)
-    return ClippedGrads(grad_sum, norms)
+    # The weights are constants (S = Σ c_i g_i is not differentiated through c).
+    factor = jax.lax.stop_gradient(_masked(factor, mask))
+    sums = {}
+    for rec, delta in zip(records, deltas, strict=True):
+        for attr, value in _layer_grad_sum(rec, delta, factor).items():
+            sums[rec["recorder"].path + (attr,)] = value
+
+    def fill(key_path, leaf):
+        key = tuple(k.key for k in key_path if isinstance(k, jax.tree_util.DictKey))
+        return sums[key].astype(leaf.dtype)
+
+    return ClippedGrads(jax.tree_util.tree_map_with_path(fill, params), norms)
 
 
 def per_example_grad_norms(loss_fn: LossFn, model_or_params, batch) -> jax.Array:
