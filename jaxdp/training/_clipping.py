@@ -246,8 +246,8 @@ def _per_example_grads_pytree(loss_fn, params, x, y):
 # "probes" added to the layers' outputs (ℓ_i depends on row i only, so row i of a probe's
 # gradient holds example i's δ's). The squared norm of each layer's per-example gradient is
 # then formed from (a, δ) without the other examples' gradients (see _sq_norm_positions and
-# _embed_sq_norm), and the clipped sum Σ_i c_i g_i is the gradient of Σ_i c_i ℓ_i (c_i held
-# constant), which reuses the same forward pass through the VJP.
+# _embed_sq_norm), and the clipped sum Σ_i c_i g_i is formed per layer from the same (a, δ)
+# with δ scaled by c_i (one contraction per layer; no second backward pass).
 #
 # Layers are intercepted on a freshly merged copy of the model (the user's module is never
 # modified): nnx.Linear through its ``dot_general`` attribute, nnx.Conv through its
@@ -255,12 +255,12 @@ def _per_example_grads_pytree(loss_fn, params, x, y):
 # ``__call__`` records the ids (``attend``, a tied use of the table, marks the model
 # unsupported).
 #
-# Safety by construction: in the copy every parameter the layers own is replaced by
-# stop_gradient(p), and each intercepted call adds (p − stop_gradient(p)), an exact zero,
-# at its own use of p. The gradient that the second VJP returns therefore flows into the
-# parameters only through the intercepted calls: exactly the per-example gradients whose
-# norms are measured. A use of a parameter elsewhere in ``loss_fn`` (a weight penalty) loses
-# its gradient instead of escaping the clipping; each clipped term still has norm ≤ C.
+# Safety by construction: the clipped sum is formed only from the intercepted calls' (a, δ),
+# exactly the per-example gradients whose norms are measured, so a use of a parameter
+# elsewhere in ``loss_fn`` (a weight penalty) loses its gradient instead of escaping the
+# clipping: each clipped term has norm ≤ C. (The copy also holds every owned parameter as
+# stop_gradient(p), each intercepted call adding p − stop_gradient(p), an exact zero, at its
+# own use of p, so that any gradient taken through the copy has the same property.)
 
 # Exactly these classes: a subclass may use its parameters differently (weight norm, LoRA).
 _OWNED = {nnx.Linear: ("kernel", "bias"), nnx.Conv: ("kernel", "bias"), nnx.Embed: ("embedding",)}
@@ -679,8 +679,8 @@ def clipped_grad_sum(loss_fn: LossFn, model_or_params, batch, clip_norm, *,
     table the gradient of row :math:`k` is :math:`\sum_{t:\,\mathrm{id}_t = k}\delta_t`
     (repeated ids summed exactly, by sorting). :math:`\lVert g_i\rVert^2` is the sum over
     layers. All :math:`\delta` come from one backward pass of :math:`\sum_i \ell_i` with
-    respect to zero probes added to the layer outputs; :math:`S` is then the gradient of
-    :math:`\sum_i c_i \ell_i` with :math:`c` held constant, from the same forward pass.
+    respect to zero probes added to the layer outputs; :math:`S` is then formed per layer
+    from the same inputs and :math:`c_i\delta`, one contraction per layer.
     It applies when every ``nnx.Param`` of the model belongs to an ``nnx.Linear``,
     ``nnx.Conv`` (no mask, ``feature_group_count=1``) or ``nnx.Embed`` that is applied
     exactly once to an input whose leading axis is the batch (checked at trace time, from
