@@ -1,4 +1,4 @@
-r"""Per-example gradients, per-example clipping, and a fast path for dense layers.
+r"""Per-example gradients, per-example clipping, and a fast path for dense, conv and embedding layers.
 
 Conventions used throughout this module:
 
@@ -25,6 +25,7 @@ from it.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -229,80 +230,200 @@ def _per_example_grads_pytree(loss_fn, params, x, y):
 
 
 # ----------------------------------------------------------------------------------------
-# Fast path for dense layers
+# Fast path for dense, convolutional and embedding layers
 # ----------------------------------------------------------------------------------------
 #
-# For a dense layer z = x W + b applied to a 2-D input (one row per example), the
-# per-example gradients are ∂ℓ_i/∂W = x_i δ_iᵀ and ∂ℓ_i/∂b = δ_i with δ_i = ∂ℓ_i/∂z_i,
-# so ‖∂ℓ_i/∂W‖_F² = ‖x_i‖² ‖δ_i‖² (a rank-one outer product). The δ's of every layer
-# come out of one backward pass of Σ_i ℓ_i with respect to zero "probes" added to the
-# layers' outputs (ℓ_i depends on row i only, so row i of the probe gradient is δ_i).
-# The clipped sum Σ_i c_i g_i is then the gradient of Σ_i c_i ℓ_i (c_i held constant),
-# which reuses the same forward pass through the VJP.
+# Every supported layer computes its output from the example's own input rows and its
+# parameters through one primitive call, and its per-example parameter gradient is a sum
+# over the example's *positions* t (1 for a dense layer on a 2-D input; the tokens of a
+# sequence; the output pixels of a convolution) of outer products a_t δ_tᵀ, where a_t is
+# the input seen at position t (the row, the token, the receptive-field patch) and δ_t the
+# gradient of ℓ_i with respect to the output at t:
 #
-# Layers are intercepted by swapping each nnx.Linear's ``dot_general`` (an attribute
-# Linear calls with (inputs, kernel, ...)) on a freshly merged copy of the model, so the
-# user's module is never modified.
+#   ∂ℓ_i/∂W = Σ_t a_t δ_tᵀ,   ∂ℓ_i/∂b = Σ_t δ_t,   ∂ℓ_i/∂E[k] = Σ_{t: id_t = k} δ_t.
+#
+# The δ's of every layer come out of one backward pass of Σ_i ℓ_i with respect to zero
+# "probes" added to the layers' outputs (ℓ_i depends on row i only, so row i of a probe's
+# gradient holds example i's δ's). The squared norm of each layer's per-example gradient is
+# then formed from (a, δ) without the other examples' gradients (see _sq_norm_positions and
+# _embed_sq_norm), and the clipped sum Σ_i c_i g_i is formed per layer from the same (a, δ)
+# with δ scaled by c_i (one contraction per layer; no second backward pass).
+#
+# Layers are intercepted on a freshly merged copy of the model (the user's module is never
+# modified): nnx.Linear through its ``dot_general`` attribute, nnx.Conv through its
+# ``conv_general_dilated`` attribute, nnx.Embed by giving the copy a subclass whose
+# ``__call__`` records the ids (``attend``, a tied use of the table, marks the model
+# unsupported).
+#
+# Safety by construction: the clipped sum is formed only from the intercepted calls' (a, δ),
+# exactly the per-example gradients whose norms are measured, so a use of a parameter
+# elsewhere in ``loss_fn`` (a weight penalty) loses its gradient instead of escaping the
+# clipping: each clipped term has norm ≤ C. (The copy also holds every owned parameter as
+# stop_gradient(p), each intercepted call adding p − stop_gradient(p), an exact zero, at its
+# own use of p, so that any gradient taken through the copy has the same property.)
+
+# Exactly these classes: a subclass may use its parameters differently (weight norm, LoRA).
+_OWNED = {nnx.Linear: ("kernel", "bias"), nnx.Conv: ("kernel", "bias"), nnx.Embed: ("embedding",)}
+
+
+def _live(param_value, real):
+    """``param_value`` with the gradient of ``real`` (an exact zero is added)."""
+    real = real.astype(param_value.dtype)
+    return param_value + (real - jax.lax.stop_gradient(real))
 
 
 class _Recorder:
-    """Stands in for one Linear's ``dot_general``: records its input, adds a probe."""
+    """Stands in for one layer's primitive: records its inputs, adds a probe to its output."""
 
-    def __init__(self, original, registry: list, probes, has_bias: bool):
+    kind = "linear"
+
+    def __init__(self, original, registry: list, probes, params: dict, path: tuple = ()):
         self.original = original
         self.registry = registry
         self.probes = probes
-        self.has_bias = has_bias
+        self.params = params  # the layer's real (differentiable) parameter values
+        self.path = path  # the layer's path in the model (keys of its parameters' State)
 
-    def __call__(self, lhs, rhs, dimension_numbers, *args, **kwargs):
-        out = self.original(lhs, rhs, dimension_numbers, *args, **kwargs)
+    def _finish(self, out, record):
+        if "bias" in self.params:
+            out = _live(out, self.params["bias"])  # gives the gradient to the bias flax adds next
         position = len(self.registry)
-        self.registry.append(
-            {"recorder": self, "inputs": lhs, "shape": out.shape, "dtype": out.dtype,
-             "dims": dimension_numbers}
-        )
+        record.update(recorder=self, shape=out.shape, dtype=out.dtype)
+        self.registry.append(record)
         if self.probes is not None:
             out = out + self.probes[position].astype(out.dtype)
         return out
 
 
-def _linear_param_owners(model: nnx.Module) -> dict | None:
-    """Map path of every nnx.Linear to it, or None if some Param lives outside a Linear."""
+class _LinearRecorder(_Recorder):
+    kind = "linear"
+
+    def __call__(self, lhs, rhs, dimension_numbers, *args, **kwargs):
+        rhs = _live(rhs, self.params["kernel"])
+        out = self.original(lhs, rhs, dimension_numbers, *args, **kwargs)
+        return self._finish(out, {"inputs": lhs, "dims": dimension_numbers, "kernel_ndim": rhs.ndim})
+
+
+class _ConvRecorder(_Recorder):
+    kind = "conv"
+
+    def __call__(self, lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
+                 dimension_numbers=None, feature_group_count=1, batch_group_count=1, **kwargs):
+        rhs = _live(rhs, self.params["kernel"])
+        out = self.original(lhs, rhs, window_strides, padding, lhs_dilation=lhs_dilation,
+                            rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
+                            feature_group_count=feature_group_count, batch_group_count=batch_group_count,
+                            **kwargs)
+        dn = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
+        conv = {"strides": tuple(window_strides), "padding": padding, "dn": dn,
+                "lhs_dilation": tuple(lhs_dilation or (1,) * (lhs.ndim - 2)),
+                "rhs_dilation": tuple(rhs_dilation or (1,) * (lhs.ndim - 2)),
+                "filter_shape": tuple(rhs.shape[d] for d in dn.rhs_spec[2:]),
+                "groups": (feature_group_count, batch_group_count)}
+        return self._finish(out, {"inputs": lhs, "conv": conv})
+
+
+class _RecordingEmbed(nnx.Embed):
+    """nnx.Embed whose calls are recorded (set on the instrumented copy only)."""
+
+    def __call__(self, inputs, out_sharding=None):
+        rec = self._jaxdp_recorder
+        out = nnx.Embed.__call__(self, inputs, out_sharding)
+        ids = _normalised_ids(jnp.asarray(inputs), self.num_embeddings)
+        real = rec.params["embedding"]
+        out = out + jnp.take(real - jax.lax.stop_gradient(real), ids, axis=0, mode="fill",
+                             fill_value=0).astype(out.dtype)
+        return rec._finish(out, {"inputs": inputs, "ids": ids, "vocab": self.num_embeddings})
+
+    def attend(self, query, out_sharding=None):
+        self._jaxdp_recorder.registry.append({"recorder": None})  # a second use: unsupported
+        return nnx.Embed.attend(self, query, out_sharding)
+
+
+def _normalised_ids(ids, vocab: int):
+    """Row of the table each id reads (jnp.take wraps negative ids; a one-row table broadcasts)."""
+    if vocab == 1:
+        return jnp.zeros(ids.shape, jnp.int32)
+    ids = ids.astype(jnp.int32)
+    return jnp.where(ids < 0, ids + vocab, ids)
+
+
+def _owners(model: nnx.Module) -> dict | None:
+    """Map path -> supported layer, or None if some Param lives outside one (or is tied)."""
     modules = dict(nnx.iter_modules(model))
-    # Exactly nnx.Linear: a subclass may use its kernel differently (weight norm, LoRA...).
-    linears = {p: m for p, m in modules.items() if type(m) is nnx.Linear}
+    layers = {p: m for p, m in modules.items() if type(m) in _OWNED}
+    for m in layers.values():
+        if type(m) is nnx.Conv and (m.mask is not None or m.feature_group_count != 1):
+            return None  # a masked kernel's gradient is masked; grouped convs are not factored here
     count = 0
     for path, value in nnx.iter_graph(model):
         if isinstance(value, nnx.Param):
             count += 1
             owner, attr = tuple(path[:-1]), path[-1]
-            if owner not in linears or attr not in ("kernel", "bias"):
+            if owner not in layers or attr not in _OWNED[type(layers[owner])]:
                 return None
-    # iter_graph lists a shared Variable once: if two layers tie a kernel, the count is
-    # short, and the tied kernel's per-example gradient (a sum of two outer products)
-    # has no factored norm.
-    if count != sum(1 + (m.bias is not None) for m in linears.values()):
+    # iter_graph lists a shared Variable once: if two layers tie a parameter, the count is
+    # short, and the tied parameter's per-example gradient (a sum over both layers) has no
+    # factored norm here.
+    expected = sum(1 + (getattr(m, "bias", None) is not None) if type(m) is not nnx.Embed else 1
+                   for m in layers.values())
+    if count != expected:
         return None
-    return linears or None
+    return layers or None
 
 
 def _instrumented(graphdef, rest, registry):
-    """Return ``build(params, probes)``: a fresh model copy with every Linear instrumented."""
+    """Return ``build(params, probes)``: a fresh model copy with every supported layer instrumented."""
 
     def build(p, probes):
         model = nnx.merge(graphdef, p, rest)
-        for _, m in nnx.iter_modules(model):
-            if type(m) is nnx.Linear:
-                m.dot_general = _Recorder(m.dot_general, registry, probes, m.bias is not None)
+        for path, m in nnx.iter_modules(model):
+            kind = type(m)
+            if kind not in _OWNED:
+                continue
+            real = {}
+            for attr in _OWNED[kind]:
+                var = getattr(m, attr, None)
+                if isinstance(var, nnx.Param):
+                    real[attr] = var.value
+                    var.value = jax.lax.stop_gradient(var.value)
+            path = tuple(path)
+            if kind is nnx.Linear:
+                m.dot_general = _LinearRecorder(m.dot_general, registry, probes, real, path)
+            elif kind is nnx.Conv:
+                m.conv_general_dilated = _ConvRecorder(m.conv_general_dilated, registry, probes, real, path)
+            else:
+                m.__class__ = _RecordingEmbed
+                m._jaxdp_recorder = _Recorder(None, registry, probes, real, path)
         return model
 
     return build
 
 
+def _record_supported(rec, b: int) -> bool:
+    """Shape checks of one recorded call (trace time)."""
+    recorder = rec["recorder"]
+    if recorder is None or len(rec["shape"]) < 1 or rec["shape"][0] != b:
+        return False
+    inputs = rec["inputs"]
+    if inputs.ndim < 1 or inputs.shape[0] != b:
+        return False
+    if "ids" in rec:
+        return True
+    if "conv" in rec:
+        c = rec["conv"]
+        return (c["groups"] == (1, 1) and c["dn"].lhs_spec[0] == 0 and c["dn"].out_spec[0] == 0
+                and all(v == 1 for v in c["lhs_dilation"]))
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = rec["dims"]
+    return (tuple(lhs_contract) == (inputs.ndim - 1,) and tuple(rhs_contract) == (0,)
+            and not tuple(lhs_batch) and not tuple(rhs_batch) and rec["kernel_ndim"] == 2
+            and len(rec["shape"]) == inputs.ndim)
+
+
 def _discover(loss_fn, model, x, y) -> list | None:
-    """Trace once (shapes only); return the call records if the fast path applies."""
-    linears = _linear_param_owners(model)
-    if linears is None:
+    """Trace once (shapes only); return the probe shapes if the fast path applies."""
+    owners = _owners(model)
+    if owners is None:
         return None
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     registry: list = []
@@ -319,36 +440,162 @@ def _discover(loss_fn, model, x, y) -> list | None:
     b = x.shape[0]
     if out.shape != (b,):
         return None
-    seen = set()
-    for rec in registry:
-        lhs_contract = rec["dims"][0][0]
-        if (
-            len(rec["inputs"].shape) != 2
-            or rec["inputs"].shape[0] != b
-            or tuple(lhs_contract) != (1,)
-            or tuple(rec["dims"][1][0]) != ()
-            or len(rec["shape"]) != 2
-        ):
-            return None
-        seen.add(id(rec["recorder"]))
-    # Each Linear must be applied exactly once: a shared layer's per-example gradient is
-    # a sum of outer products, whose norm does not factor.
-    if len(registry) != len(linears) or len(seen) != len(registry):
+    if not all(_record_supported(rec, b) for rec in registry):
+        return None
+    # Each layer must be applied exactly once: a shared layer's per-example gradient is a
+    # sum over its calls, whose norm is not formed here.
+    if len(registry) != len(owners) or len({id(r["recorder"]) for r in registry}) != len(registry):
         return None
     return [(tuple(r["shape"]), r["dtype"]) for r in registry]
 
 
 def fast_path_supported(loss_fn: LossFn, model_or_params, batch) -> bool:
-    """True when :func:`clipped_grad_sum` would use the dense-layer fast path.
+    """True when :func:`clipped_grad_sum` would use the fast path.
 
     That is: ``model_or_params`` is an NNX module all of whose ``nnx.Param`` variables are
-    the kernels and biases of ``nnx.Linear`` layers, each layer is applied exactly once,
-    to a 2-D input ``(b, features)``, and ``loss_fn`` returns a ``(b,)`` vector.
+    the parameters of ``nnx.Linear``, ``nnx.Conv`` (no kernel mask,
+    ``feature_group_count=1``) or ``nnx.Embed`` layers (exactly these classes, no tied
+    parameters), each layer is applied exactly once (``Embed.attend`` not used), to an input
+    whose leading axis is the batch, and ``loss_fn`` returns a ``(b,)`` vector.
     """
     if not isinstance(model_or_params, nnx.Module):
         return False
     x, y = _check_batch(batch)
     return _discover(loss_fn, model_or_params, x, y) is not None
+
+
+def _sq_norm_positions(a: jax.Array, g: jax.Array) -> jax.Array:
+    r"""Per-example :math:`\lVert\sum_t a_t g_t^\top\rVert_F^2` for ``a`` (b, T, d), ``g`` (b, T, e).
+
+    Two exact ways, chosen by their cost per example (shapes are static):
+
+    * materialise the per-example weight gradient :math:`\sum_t a_t g_t^\top` (``d·e``
+      entries, ``T·d·e`` multiply-adds), the choice for convolutions with few channels;
+    * the ghost-norm Gram identity
+      :math:`\sum_{t,t'} (a_t\cdot a_{t'})(g_t\cdot g_{t'})` (``T²(d+e)``), the choice when
+      the positions are few and the layer wide.
+
+    ``T = 1`` (a dense layer on a 2-D input) is :math:`\lVert a\rVert^2\lVert g\rVert^2`.
+    """
+    _, t, d = a.shape
+    e = g.shape[2]
+    if t == 1:
+        return jnp.sum(jnp.square(a), axis=(1, 2)) * jnp.sum(jnp.square(g), axis=(1, 2))
+    hi = jax.lax.Precision.HIGHEST
+    if t * t * (d + e) < t * d * e:
+        aa = jnp.einsum("btd,bsd->bts", a, a, precision=hi)
+        gg = jnp.einsum("bte,bse->bts", g, g, precision=hi)
+        return jnp.sum(aa * gg, axis=(1, 2))
+    w = jnp.einsum("btd,bte->bde", a, g, precision=hi)
+    return jnp.sum(jnp.square(w), axis=(1, 2))
+
+
+def _conv_patches(x: jax.Array, conv: dict) -> jax.Array:
+    """Receptive-field patches of ``x`` as (b, d, T): the ``a_t`` of a convolution.
+
+    Slices of the padded input, one per kernel offset (pure data movement), ordered
+    (input channel, kernel offsets in row-major order). Input dilation is not supported
+    (such layers take the general path).
+    """
+    dn = conv["dn"]
+    x = jnp.transpose(x, dn.lhs_spec)  # (b, C, *spatial)
+    nsp = x.ndim - 2
+    dilated = [(k - 1) * r + 1 for k, r in zip(conv["filter_shape"], conv["rhs_dilation"], strict=True)]
+    padding = conv["padding"]
+    if isinstance(padding, str):
+        padding = jax.lax.padtype_to_pads(x.shape[2:], dilated, conv["strides"], padding)
+    x = jax.lax.pad(x, jnp.zeros((), x.dtype), [(0, 0, 0), (0, 0, 0)] + [(lo, hi, 0) for lo, hi in padding])
+    out = [(x.shape[2 + i] - dilated[i]) // conv["strides"][i] + 1 for i in range(nsp)]
+    slices = []
+    for offset in itertools.product(*(range(k) for k in conv["filter_shape"])):
+        start = [0, 0] + [o * r for o, r in zip(offset, conv["rhs_dilation"], strict=True)]
+        limit = [x.shape[0], x.shape[1]] + [s + (n - 1) * st + 1
+                                            for s, n, st in zip(start[2:], out, conv["strides"], strict=True)]
+        slices.append(jax.lax.slice(x, start, limit, [1, 1, *conv["strides"]]))
+    p = jnp.stack(slices, axis=2)  # (b, C, K, *out)
+    return p.reshape(p.shape[0], -1, math.prod(out))
+
+
+def _embed_sq_norm(ids: jax.Array, g: jax.Array, vocab: int) -> jax.Array:
+    r"""Per-example :math:`\sum_k \lVert\sum_{t: \mathrm{id}_t = k} g_t\rVert^2`, repeated ids exact.
+
+    Sort each example's ids, number the runs of equal ids, sum the rows of each run
+    (a scatter-add into ``T`` slots) and take the squared norms: ``O(T log T + T·D)`` per
+    example, whatever the vocabulary size. Ids outside the table read nothing (``jnp.take``
+    fills them) and get no gradient, so they are dropped.
+    """
+    b = ids.shape[0]
+    ids = ids.reshape(b, -1)
+    g = g.reshape(b, ids.shape[1], -1)
+    inside = (ids >= 0) & (ids < vocab)
+    g = jnp.where(inside[..., None], g, jnp.zeros((), g.dtype))
+    order = jnp.argsort(ids, axis=1)
+    sid = jnp.take_along_axis(ids, order, axis=1)
+    sg = jnp.take_along_axis(g, order[..., None], axis=1)
+    new = jnp.concatenate([jnp.ones((b, 1), bool), sid[:, 1:] != sid[:, :-1]], axis=1)
+    run = jnp.cumsum(new, axis=1) - 1
+    rows = jnp.zeros_like(sg).at[jnp.arange(b)[:, None], run].add(sg)
+    return jnp.sum(jnp.square(rows), axis=(1, 2))
+
+
+def _layer_factors(rec, delta: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(a, g)`` of one dense or conv layer: inputs (b, T, d) and output gradients (b, T, e)."""
+    b = delta.shape[0]
+    if "conv" in rec:
+        dn = rec["conv"]["dn"]
+        g = jnp.transpose(delta, dn.out_spec)  # (b, e, *out)
+        g = jnp.swapaxes(g.reshape(b, g.shape[1], -1), 1, 2)  # (b, T, e)
+        a = jnp.swapaxes(_conv_patches(rec["inputs"], rec["conv"]), 1, 2)  # (b, T, d)
+    else:
+        a = rec["inputs"].reshape(b, -1, rec["inputs"].shape[-1])
+        g = delta.reshape(b, -1, delta.shape[-1])
+    return a.astype(jnp.result_type(a.dtype, g.dtype)), g
+
+
+def _layer_sq_norm(rec, delta: jax.Array) -> jax.Array:
+    """Per-example squared norm of one recorded layer's parameter gradient (bias included)."""
+    if "ids" in rec:
+        return _embed_sq_norm(rec["ids"], delta, rec["vocab"])
+    a, g = _layer_factors(rec, delta)
+    sq = _sq_norm_positions(a, g)
+    if "bias" in rec["recorder"].params:
+        sq = sq + jnp.sum(jnp.square(jnp.sum(g, axis=1)), axis=1)
+    return sq
+
+
+def _layer_grad_sum(rec, delta: jax.Array, weights: jax.Array) -> dict:
+    r""":math:`\sum_i w_i \partial\ell_i/\partial\theta` for one layer's parameters, from its (a, δ).
+
+    The gradient of :math:`\sum_i w_i\ell_i` is the layer's usual parameter gradient with
+    each example's output gradients scaled by :math:`w_i`, contracted over examples and
+    positions: one matmul per layer instead of a second backward pass through the model.
+    """
+    params = rec["recorder"].params
+    hi = jax.lax.Precision.HIGHEST
+    w = weights.astype(delta.dtype).reshape((-1,) + (1,) * (delta.ndim - 1))
+    if "ids" in rec:
+        table = params["embedding"]
+        ids, g = rec["ids"].reshape(-1), (w * delta).reshape(-1, table.shape[-1])
+        ids = jnp.where(ids < 0, table.shape[0], ids)  # outside the table: dropped
+        return {"embedding": jnp.zeros(table.shape, g.dtype).at[ids].add(g, mode="drop")}
+    a, g = _layer_factors(rec, w * delta)
+    kernel = params["kernel"]
+    flat = jnp.einsum("btd,bte->de", a, g, precision=hi)  # (d, e)
+    if "conv" in rec:
+        # rows of ``flat`` are (input channel, kernel offsets): back to the kernel's layout.
+        conv = rec["conv"]
+        spec = conv["dn"].rhs_spec  # (out axis, in axis, spatial axes...)
+        nsp = len(conv["filter_shape"])
+        flat = flat.reshape((-1, *conv["filter_shape"], flat.shape[-1]))  # (I, *spatial, O)
+        perm = [0] * kernel.ndim
+        perm[spec[0]], perm[spec[1]] = nsp + 1, 0
+        for i in range(nsp):
+            perm[spec[2 + i]] = 1 + i
+        flat = jnp.transpose(flat, perm)
+    out = {"kernel": flat.reshape(kernel.shape)}
+    if "bias" in params:
+        out["bias"] = jnp.sum(g, axis=(0, 1)).reshape(params["bias"].shape)
+    return out
 
 
 def _fast(loss_fn, model, x, y, clip_norm, calls, mask=None) -> ClippedGrads:
@@ -360,29 +607,37 @@ def _fast(loss_fn, model, x, y, clip_norm, calls, mask=None) -> ClippedGrads:
     def f(p, probes_):
         registry.clear()
         losses = loss_fn(build(p, probes_), x, y)
-        return losses, [rec["inputs"] for rec in registry]
+        return losses, [{"inputs": rec["inputs"], "ids": rec.get("ids")} for rec in registry]
 
-    losses, vjp_fn, inputs = jax.vjp(f, params, probes, has_aux=True)
-    has_bias = [rec["recorder"].has_bias for rec in registry]
-    _, deltas = vjp_fn(jnp.ones_like(losses))  # row i of deltas[k] is δ_i of layer k
+    # The parameters' cotangents are never used: under jit they are not computed.
+    losses, vjp_fn, arrays = jax.vjp(f, params, probes, has_aux=True)
+    # The aux output carries the recorded arrays; the static facts come from the registry.
+    records = [{**reg, **{k: v for k, v in arr.items() if v is not None}}
+               for arr, reg in zip(arrays, registry, strict=True)]
+    _, deltas = vjp_fn(jnp.ones_like(losses))  # row i of deltas[k] holds example i's δ's at layer k
     sq = None
-    for inp, delta, bias in zip(inputs, deltas, has_bias, strict=True):
-        in_sq = jnp.sum(jnp.square(inp), axis=1)
-        if bias:
-            in_sq = in_sq + 1
-        term = in_sq * jnp.sum(jnp.square(delta), axis=1)
+    for rec, delta in zip(records, deltas, strict=True):
+        term = _layer_sq_norm(rec, delta)
         sq = term if sq is None else sq + term.astype(sq.dtype)
     norms, factor = _safe_clip_factor(sq, clip_norm)
-    # The weights are constants of the second backward pass (S = Σ c_i g_i).
-    factor = jax.lax.stop_gradient(_masked(factor, mask)).astype(losses.dtype)
-    grad_sum, _ = vjp_fn(factor)
-    return ClippedGrads(grad_sum, norms)
+    # The weights are constants (S = Σ c_i g_i is not differentiated through c).
+    factor = jax.lax.stop_gradient(_masked(factor, mask))
+    sums = {}
+    for rec, delta in zip(records, deltas, strict=True):
+        for attr, value in _layer_grad_sum(rec, delta, factor).items():
+            sums[rec["recorder"].path + (attr,)] = value
+
+    def fill(key_path, leaf):
+        key = tuple(k.key for k in key_path if isinstance(k, jax.tree_util.DictKey))
+        return sums[key].astype(leaf.dtype)
+
+    return ClippedGrads(jax.tree_util.tree_map_with_path(fill, params), norms)
 
 
 def per_example_grad_norms(loss_fn: LossFn, model_or_params, batch) -> jax.Array:
     r"""Per-example gradient norms :math:`\lVert\nabla_\theta \ell_i\rVert`, shape ``(b,)``.
 
-    Uses the dense-layer fast path when :func:`fast_path_supported`, else ``vmap(grad)``.
+    Uses the fast path when :func:`fast_path_supported`, else ``vmap(grad)``.
     Useful to check that clipping at a model's Lipschitz bound stays inactive.
 
     Examples:
@@ -397,34 +652,47 @@ def per_example_grad_norms(loss_fn: LossFn, model_or_params, batch) -> jax.Array
 
 def clipped_grad_sum(loss_fn: LossFn, model_or_params, batch, clip_norm, *,
                      use_fast_path: bool | None = None, mask=None) -> ClippedGrads:
-    r"""Sum of per-example clipped gradients, with a fast path for dense layers.
+    r"""Sum of per-example clipped gradients, with a fast path for dense, conv and embedding layers.
 
     .. math::
 
         S = \sum_{i=1}^{b} c_i\, g_i,\qquad c_i = \min\Bigl(1, \frac{C}{\lVert g_i\rVert}\Bigr),
         \qquad g_i = \nabla_\theta \ell_i(\theta).
 
-    **Fast path** (no per-example gradient is materialised). For a dense layer
-    :math:`z = xW + b` on a 2-D input, :math:`\partial\ell_i/\partial W = x_i\delta_i^\top`
-    with :math:`\delta_i = \partial\ell_i/\partial z_i`, so
+    **Fast path** (no per-example gradient of the whole model is materialised). Each
+    supported layer's per-example gradient is a sum over the example's positions :math:`t`
+    (one for a dense layer on a 2-D input; the tokens of a sequence; the output pixels of
+    a convolution) of outer products of the input :math:`a_t` seen there (row, token,
+    receptive-field patch) and :math:`\delta_t = \partial\ell_i/\partial z_t`:
 
     .. math::
 
-        \lVert g_i\rVert^2 = \sum_{\text{layers } k}
-            \bigl(\lVert x_i^{(k)}\rVert^2 + [\text{layer } k \text{ has a bias}]\bigr)
-            \lVert\delta_i^{(k)}\rVert^2 .
+        \Bigl\lVert\frac{\partial\ell_i}{\partial W}\Bigr\rVert^2
+          = \Bigl\lVert\sum_t a_t\delta_t^\top\Bigr\rVert_F^2
+          = \sum_{t,t'} (a_t\cdot a_{t'})(\delta_t\cdot\delta_{t'}),\qquad
+        \Bigl\lVert\frac{\partial\ell_i}{\partial b}\Bigr\rVert^2 = \Bigl\lVert\sum_t \delta_t\Bigr\rVert^2,
 
-    All :math:`\delta^{(k)}` come from one backward pass of :math:`\sum_i \ell_i` with
-    respect to zero probes added to the layer outputs; :math:`S` is then the gradient of
-    :math:`\sum_i c_i \ell_i` with :math:`c` held constant, from the same forward pass.
-    It applies when every ``nnx.Param`` of the model is a kernel or bias of an
-    ``nnx.Linear`` that is applied exactly once to a 2-D input (checked at trace time,
-    from shapes only); otherwise the general ``vmap(grad)`` path runs.
+    computed per layer either from the materialised :math:`\sum_t a_t\delta_t^\top`
+    (:math:`T d e` operations; convolutions with few channels) or from the Gram form
+    (:math:`T^2(d+e)`; few positions, wide layers), whichever costs less; for a dense layer
+    on a 2-D input it is :math:`\lVert a\rVert^2\lVert\delta\rVert^2`. For an embedding
+    table the gradient of row :math:`k` is :math:`\sum_{t:\,\mathrm{id}_t = k}\delta_t`
+    (repeated ids summed exactly, by sorting). :math:`\lVert g_i\rVert^2` is the sum over
+    layers. All :math:`\delta` come from one backward pass of :math:`\sum_i \ell_i` with
+    respect to zero probes added to the layer outputs; :math:`S` is then formed per layer
+    from the same inputs and :math:`c_i\delta`, one contraction per layer.
+    It applies when every ``nnx.Param`` of the model belongs to an ``nnx.Linear``,
+    ``nnx.Conv`` (no mask, ``feature_group_count=1``) or ``nnx.Embed`` that is applied
+    exactly once to an input whose leading axis is the batch (checked at trace time, from
+    shapes only); otherwise (``nnx.LayerNorm``, shared or tied layers, ...) the general
+    ``vmap(grad)`` path runs.
 
     Assumptions (both paths): example ``i``'s loss depends on row ``i`` of the batch only
-    (no batch statistics). Fast path only: ``loss_fn`` uses the parameters only through
-    the layers' forward calls (no weight penalty computed inside ``loss_fn``; add a
-    data-independent regulariser's gradient separately).
+    (no batch statistics). Fast path only: the layers' inputs keep examples on the leading
+    axis, and ``loss_fn`` uses the parameters only through the layers' forward calls. A use
+    elsewhere (a weight penalty inside ``loss_fn``) gets **no gradient** on the fast path
+    (the parameters enter it through ``stop_gradient``), so it can never escape the
+    clipping; add a data-independent regulariser's gradient separately.
 
     Args:
       loss_fn: ``loss_fn(model, x, y) -> (b,)`` per-example losses.
@@ -480,8 +748,9 @@ def _dispatch(loss_fn, model_or_params, x, y, clip_norm, use_fast_path, mask=Non
 
 _NO_FAST_PATH = (
     "use_fast_path=True but the fast path does not apply: the model must be an NNX module "
-    "whose every nnx.Param is the kernel or bias of an nnx.Linear applied exactly once to a "
-    "2-D input, and loss_fn must return a (batch,) vector of per-example losses."
+    "whose every nnx.Param belongs to an nnx.Linear, nnx.Conv (no mask, feature_group_count=1) "
+    "or nnx.Embed applied exactly once to an input with the batch on its leading axis, and "
+    "loss_fn must return a (batch,) vector of per-example losses."
 )
 
 
