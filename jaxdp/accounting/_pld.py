@@ -322,11 +322,14 @@ def _masses(kind, params, eps_grid, h, direction, estimate):
         g = jnp.exp(jnp.minimum(eps_grid, 700.0)) * jnp.clip(_curve(kind, params, -eps_grid, rev, "upper"), 0.0, 1.0)
         p_d = _ctd(d, h)
         p_g = _ctd_complement(g, eps_grid, h)
-        # Each formula where its inputs are accurate: differences of δ where δ < 1/2 on the
-        # three bins involved, of g elsewhere (algebraically the same masses). Round-off
-        # can leave a tiny negative mass; it is set to 0, which only raises δ.
+        # Each bin from the formula whose three inputs are smaller (round-off is relative to
+        # them): δ decreases and g increases with ε, so compare δ_{i-1} with g_{i+1}. Where
+        # δ = 1 - e^ε exactly (no loss there) g is 0 and so are the masses; differences of
+        # δ would leave round-off noise that, clipped at 0, adds up to spurious mass.
+        # Round-off can still leave a tiny negative mass; it is set to 0 (raises δ).
         d_prev = jnp.concatenate([jnp.ones((1,)), d[:-1]])
-        p = jnp.where(d_prev < 0.5, p_d, p_g)
+        g_next = jnp.concatenate([g[1:], jnp.full((1,), jnp.inf)])
+        p = jnp.where(d_prev <= g_next, p_d, p_g)
         return jnp.maximum(p, 0.0), d[-1]
     s = jnp.clip(_curve(kind, params, eps_grid, direction, "lower"), 0.0, 1.0)
     p = jnp.concatenate([s[:-1] - s[1:], s[-1:]])
@@ -362,7 +365,10 @@ def _window(kinds, params, counts, tau):
     ks = [jnp.where(jnp.isfinite(k), k, 0.0) for k in counts]
     k_tot = sum(ks)
     curves = [_rdp_of(kd, p, orders) for kd, p in zip(kinds, params)]
-    means = [_mean_upper(kd, p) for kd, p in zip(kinds, params)]
+    # The Poisson-sampled Gaussian's mean estimate can be up to twice the true mean (D_2 vs
+    # χ²/2): the window's lower end is placed from half of it, so that the bulk of the
+    # composed loss is never below the window (folded mass would land at its top).
+    means = [_mean_upper(kd, p) * (0.5 if kd == "sampled_gaussian" else 1.0) for kd, p in zip(kinds, params)]
     lam = f64(orders) - 1.0
     log_tau = jnp.log(tau)
     total = sum(k * c for k, c in zip(ks, curves))
