@@ -35,6 +35,8 @@ GLOSSARY = {
     "optimizer", "algorithm", "capacity", "overflow", "mask",
     # randomness: the public order and the secret noise key
     "key", "order_seed", "noise_seed", "seed",
+    # PLD accounting: static grid options
+    "grid_size", "tail_bound", "estimate",
 }
 
 # Names that would be a second name for a glossary quantity.

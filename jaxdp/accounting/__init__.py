@@ -166,3 +166,22 @@ from ._dpsbcd import dpsbcd_rdp as dpsbcd_rdp  # noqa: E402
 from ._events import DPSBCD as DPSBCD  # noqa: E402
 
 __all__ += ["DPSBCD", "dpsbcd_epsilon", "dpsbcd_rdp"]
+
+# Privacy loss distributions (PLD): tight accounting by FFT, with an upper and a lower bound.
+from ._pld import PLD_GRID_SIZE as PLD_GRID_SIZE  # noqa: E402
+from ._pld import PLD_TAIL_BOUND as PLD_TAIL_BOUND  # noqa: E402
+from ._pld import PLDBracket as PLDBracket  # noqa: E402
+from ._pld import calibrate_pld_noise_multiplier as calibrate_pld_noise_multiplier  # noqa: E402
+from ._pld import pld_bracket as pld_bracket  # noqa: E402
+from ._pld import pld_delta as pld_delta  # noqa: E402
+from ._pld import pld_epsilon as pld_epsilon  # noqa: E402
+
+__all__ += [
+    "PLD_GRID_SIZE",
+    "PLD_TAIL_BOUND",
+    "PLDBracket",
+    "calibrate_pld_noise_multiplier",
+    "pld_bracket",
+    "pld_delta",
+    "pld_epsilon",
+]

@@ -853,3 +853,9 @@ def pnsgd_record_epsilon(event: PNSGD, delta, *, orders=DEFAULT_ORDERS) -> jax.A
         return res.best if ev.hidden else res.composition
 
     return _map_pnsgd(one, event, f64(delta))
+
+
+# The "pld" accountant: privacy loss distributions composed by FFT (see _pld.py).
+from ._pld import _accountant_delta, _accountant_epsilon  # noqa: E402
+
+register_accountant("pld", epsilon=_accountant_epsilon, delta=_accountant_delta)

@@ -19,12 +19,26 @@ def add_parser(sub) -> None:
     p.add_argument("--num-steps", type=number("--num-steps"), required=True, help="number of noisy steps (>= 0)")
     p.add_argument("--delta", type=number("--delta"), required=True, help="target delta in (0, 1)")
     add_conversion_options(p)
+    p.add_argument("--accountant", choices=("rdp", "pld"), default="rdp",
+                   help="rdp (default) or pld: the privacy loss distribution (FFT, connect-the-dots upper "
+                        "bound, tighter)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from .. import accounting as A
 
+    if getattr(args, "accountant", "rdp") == "pld":
+        eps = float(A.pld_epsilon(A.dpsgd_event(args.q, args.noise_multiplier, args.num_steps), args.delta))
+        payload = dict(q=args.q, noise_multiplier=args.noise_multiplier, num_steps=args.num_steps,
+                       delta=args.delta, accountant="pld", grid_size=A.PLD_GRID_SIZE, epsilon=eps)
+        emit(args, payload, [
+            f"DP-SGD, Poisson sampling q={args.q:g}, noise multiplier={args.noise_multiplier:g}, "
+            f"steps={args.num_steps:g}",
+            f"epsilon = {eps:.6f} at delta = {args.delta:g} (PLD accountant, upper bound, "
+            f"{A.PLD_GRID_SIZE} loss bins)",
+        ])
+        return 0
     o = orders(args)
     rdp = A.heterogeneous_rdp(o, [args.q], [args.noise_multiplier], [args.num_steps])
     res = A.rdp_to_epsilon(rdp, o, args.delta, method=args.method)

@@ -20,6 +20,8 @@ def add_parser(sub) -> None:
     p.add_argument("--delta", type=number("--delta"), required=True, help="target delta in (0, 1)")
     p.add_argument("--out", default="jaxdp_grid", help="output folder (default: ./jaxdp_grid)")
     add_conversion_options(p)
+    p.add_argument("--accountant", choices=("rdp", "pld"), default="rdp",
+                   help="rdp (default) or pld (privacy loss distribution, tighter, slower)")
     p.set_defaults(func=run)
 
 
@@ -49,7 +51,10 @@ def run(args) -> int:
     except OSError as exc:
         raise UsageError(f"--out cannot write to {args.out!r}: {exc}") from None
     start = time.perf_counter()
-    eps = np.asarray(A.dpsgd_epsilon(qg, sg, tg, args.delta, orders=orders(args), method=args.method))
+    if getattr(args, "accountant", "rdp") == "pld":
+        eps = np.asarray(A.pld_epsilon(A.dpsgd_event(qg, sg, tg), args.delta))
+    else:
+        eps = np.asarray(A.dpsgd_epsilon(qg, sg, tg, args.delta, orders=orders(args), method=args.method))
     elapsed = time.perf_counter() - start
     csv_path = os.path.join(args.out, "epsilon_grid.csv")
     with open(csv_path, "w") as fh:

@@ -302,7 +302,7 @@ def _stop_epsilons(ledger: PrivacyLedger) -> dict[str, np.ndarray]:
     return {"random-stop (Thm 5)": thm5[record_batch], "random-stop (Thm 26)": thm26[record_batch]}
 
 
-def privacy_report(ledger: PrivacyLedger | DPSGDLedger) -> PrivacyReport:
+def privacy_report(ledger: PrivacyLedger | DPSGDLedger, accountant: str = "rdp") -> PrivacyReport:
     r"""ε per record position for the steps recorded in ``ledger``.
 
     A :class:`DPSGDLedger` gives DP-SGD's guarantee, the same for every record:
@@ -321,6 +321,9 @@ def privacy_report(ledger: PrivacyLedger | DPSGDLedger) -> PrivacyReport:
 
     Args:
       ledger: a :class:`PrivacyLedger` (e.g. ``result.state.ledger``).
+      accountant: ``"rdp"`` (default) or, for a :class:`DPSGDLedger` only, ``"pld"``: the
+        report then leads with the PLD upper bound (:func:`jaxdp.accounting.pld_epsilon`,
+        tighter) and lists the RDP value as a second line.
 
     Returns:
       :class:`PrivacyReport`.
@@ -344,7 +347,9 @@ def privacy_report(ledger: PrivacyLedger | DPSGDLedger) -> PrivacyReport:
       True
     """
     if isinstance(ledger, DPSGDLedger):
-        return _dpsgd_report(ledger)
+        return _dpsgd_report(ledger, accountant)
+    if accountant != "rdp":
+        raise ValueError(f"accountant={accountant!r} covers DP-SGD ledgers only; PNSGD reports use their own analyses.")
     return _report(ledger)._replace(not_private=bool(ledger.fixed_noise_seed))
 
 
@@ -466,13 +471,21 @@ class DPSGDLedger(NamedTuple):
         return cls(**{k: data[k] for k in cls._fields})
 
 
-def _dpsgd_report(ledger: DPSGDLedger) -> PrivacyReport:
-    from ..accounting import dpsgd_epsilon
+def _dpsgd_report(ledger: DPSGDLedger, accountant: str = "rdp") -> PrivacyReport:
+    from ..accounting import dpsgd_epsilon, dpsgd_event, pld_epsilon
 
+    if accountant not in ("rdp", "pld"):
+        raise ValueError(f"accountant must be 'rdp' or 'pld'; got {accountant!r}.")
     n = ledger.records
     positions = np.arange(1, n + 1)
     eps = float(dpsgd_epsilon(ledger.q, ledger.noise_multiplier, ledger.steps_done, ledger.delta)) \
         if ledger.steps_done > 0 else 0.0
     values = np.full(n, eps)
+    by = {"dpsgd (sampled Gaussian RDP)": values}
+    if accountant == "pld":
+        eps_pld = float(pld_epsilon(dpsgd_event(ledger.q, ledger.noise_multiplier, ledger.steps_done),
+                                    ledger.delta)) if ledger.steps_done > 0 else 0.0
+        values = np.full(n, eps_pld)
+        by = {"dpsgd (sampled Gaussian PLD, upper bound)": values, **by}
     return PrivacyReport(_DPSGD, ledger.reason, ledger.delta, ledger.steps_done, positions, values, values, None,
-                         {"dpsgd (sampled Gaussian RDP)": values}, 0, True, bool(ledger.fixed_noise_seed))
+                         by, 0, True, bool(ledger.fixed_noise_seed))

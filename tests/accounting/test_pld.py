@@ -1,0 +1,194 @@
+"""PLD accountant (jaxdp.accounting._pld) against independent references.
+
+References: the exact Gaussian-DP curve (closed form, evaluated with mpmath at 40 digits),
+dp_accounting 0.6.0's PLD (connect-the-dots, pessimistic) at its default discretisation
+1e-4, and the RDP accountant (an upper bound the PLD must not exceed by more than its error).
+Every structure below is compiled once and evaluated on a batch (one XLA program per test).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import mpmath
+import numpy as np
+import pytest
+
+import jaxdp.accounting as A
+
+mpmath.mp.dps = 40
+
+# The upper bound's discretisation error at the default grid, relative in ε: measured
+# ≤ 0.25% above dp_accounting (1e-4) on DP-SGD configurations (docs/pld.md). We allow 0.5%
+# (the issue's acceptance bound).
+REL_VS_DP_ACCOUNTING = 5e-3
+# dp_accounting's own pessimistic estimate at 1e-4 is above the truth by its discretisation
+# error; ours may sit below it by at most that much (measured < 1e-4 relative).
+REL_BELOW_DP_ACCOUNTING = 1e-3
+# Gaussian (q = 1) at grid 2^12 (a coarse grid, to keep CI fast): the upper δ and ε are
+# within 3e-3 relative of the exact ones (the error is second order in the spacing).
+REL_GAUSS_DELTA = 3e-3
+# jit/vmap forms compile to different XLA programs; the read-out ε = ε_j + log((X+S-δ)/D)
+# amplifies their last-bit differences in S (measured 2e-10 relative).
+RTOL_FORMS = 1e-8
+SMALL = 2**12
+
+
+def _exact_gauss_delta(eps, mu):
+    eps, mu = mpmath.mpf(eps), mpmath.mpf(mu)
+    ncdf = lambda x: mpmath.ncdf(x)  # noqa: E731
+    return float(ncdf(-eps / mu + mu / 2) - mpmath.exp(eps) * ncdf(-eps / mu - mu / 2))
+
+
+def _exact_gauss_epsilon(delta, mu):
+    lo, hi = 0.0, 200.0  # bisection on the decreasing δ(ε): the returned hi has δ(hi) ≤ δ
+    for _ in range(80):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if _exact_gauss_delta(mid, mu) > delta else (lo, mid)
+    return lo
+
+
+GAUSS = [(2.0, 4), (1.0, 1), (0.8, 100), (5.0, 1000), (3.0, 25)]
+
+
+def test_gaussian_delta_against_closed_form():
+    sig = jnp.array([s for s, _ in GAUSS])
+    k = jnp.array([float(c) for _, c in GAUSS])
+    ev = A.SelfComposed(A.Gaussian(sig), k)
+    for eps in (0.5, 2.0):
+        up = np.asarray(A.pld_delta(ev, eps, grid_size=SMALL))
+        lo = np.asarray(A.pld_delta(ev, eps, grid_size=SMALL, estimate="lower"))
+        for i, (s, c) in enumerate(GAUSS):
+            exact = _exact_gauss_delta(eps, math.sqrt(c) / s)
+            assert up[i] >= exact, (s, c, eps)
+            assert lo[i] <= exact, (s, c, eps)
+            assert up[i] <= exact * (1 + REL_GAUSS_DELTA) + 1e-12, (s, c, eps, up[i], exact)
+
+
+def test_gaussian_epsilon_against_closed_form():
+    sig = jnp.array([s for s, _ in GAUSS])
+    k = jnp.array([float(c) for _, c in GAUSS])
+    ev = A.SelfComposed(A.Gaussian(sig), k)
+    up = np.asarray(A.pld_epsilon(ev, 1e-5, grid_size=SMALL))
+    for i, (s, c) in enumerate(GAUSS):
+        exact = _exact_gauss_epsilon(1e-5, math.sqrt(c) / s)
+        assert exact <= up[i] <= exact * (1 + REL_GAUSS_DELTA) + 1e-9, (s, c, up[i], exact)
+
+
+def _dp_accounting_epsilon(q, sigma, steps, delta, interval=1e-4):
+    import dp_accounting
+    from dp_accounting import pld
+
+    acc = pld.PLDAccountant(value_discretization_interval=interval)
+    acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), int(steps))
+    return acc.get_epsilon(delta)
+
+
+def _held_out(n, seed):
+    rng = np.random.default_rng(seed)
+    q = 10 ** rng.uniform(-3, -1, n)
+    sigma = rng.uniform(0.7, 3.0, n)
+    steps = np.round(10 ** rng.uniform(1, 3.5, n))
+    delta = 10 ** rng.uniform(-7, -4, n)
+    return q, sigma, steps, delta
+
+
+def _check_against_dp_accounting(q, sigma, steps, delta):
+    ours = np.asarray(A.pld_epsilon(A.dpsgd_event(q, sigma, steps), delta))
+    rdp = np.asarray(A.epsilon(A.dpsgd_event(q, sigma, steps), delta))
+    for i in range(len(q)):
+        ref = _dp_accounting_epsilon(q[i], sigma[i], steps[i], delta[i])
+        cfg = (q[i], sigma[i], steps[i], delta[i])
+        assert ours[i] >= ref * (1 - REL_BELOW_DP_ACCOUNTING), (cfg, ours[i], ref)
+        assert ours[i] <= ref * (1 + REL_VS_DP_ACCOUNTING), (cfg, ours[i], ref)
+        assert ours[i] <= rdp[i] * (1 + REL_VS_DP_ACCOUNTING), (cfg, ours[i], rdp[i])
+
+
+def test_dpsgd_against_dp_accounting_small_grid():
+    q, sigma, steps, delta = _held_out(5, seed=10)
+    # The issue's two reference configurations, plus held-out random ones.
+    q = np.concatenate([[256 / 60000, 0.001], q])
+    sigma = np.concatenate([[1.1, 0.8], sigma])
+    steps = np.concatenate([[14063.0, 1000.0], steps])
+    delta = np.concatenate([[1e-5, 1e-5], delta])
+    _check_against_dp_accounting(q, sigma, steps, delta)
+
+
+@pytest.mark.slow
+def test_dpsgd_against_dp_accounting_large_grid():
+    _check_against_dp_accounting(*_held_out(40, seed=11))
+
+
+def test_laplace_against_dp_accounting():
+    from dp_accounting.pld import privacy_loss_distribution as pldlib
+
+    for b, k in ((1.0, 10), (3.0, 40)):
+        ref = pldlib.from_laplace_mechanism(b, value_discretization_interval=1e-4).self_compose(k)
+        ours = float(A.pld_epsilon(A.SelfComposed(A.Laplace(b), k), 1e-5, grid_size=SMALL))
+        want = ref.get_epsilon_for_delta(1e-5)
+        assert want * (1 - REL_BELOW_DP_ACCOUNTING) <= ours <= want * (1 + REL_VS_DP_ACCOUNTING), (b, k, ours, want)
+
+
+def test_event_accountant_and_heterogeneous_composition():
+    ev = A.Composed((A.dpsgd_event(0.01, 1.0, 1000), A.Gaussian(10.0)))
+    e = float(A.epsilon(ev, 1e-5, accountant="pld"))
+    assert e == float(A.pld_epsilon(ev, 1e-5))
+    assert e < float(A.epsilon(ev, 1e-5))  # tighter than RDP
+    d = float(A.delta(ev, e, accountant="pld"))
+    assert d <= 1e-5 * (1 + 1e-9)
+    # Composition with a Gaussian of σ = 10 costs a little more than DP-SGD alone.
+    assert e > float(A.pld_epsilon(A.dpsgd_event(0.01, 1.0, 1000), 1e-5))
+
+
+def test_jit_vmap_grad():
+    # (The calibration, slow, is also covered by the transformation matrix's value checks.)
+    f = lambda s: A.pld_epsilon(A.dpsgd_event(0.01, s, 1000), 1e-5, grid_size=SMALL)  # noqa: E731
+    xs = jnp.array([1.3, 1.6])
+    eager = np.array([float(f(x)) for x in xs])
+    np.testing.assert_allclose(np.asarray(jax.jit(jax.vmap(f))(xs)), eager, rtol=RTOL_FORMS)
+    np.testing.assert_allclose(np.asarray(jax.vmap(jax.jit(f))(xs)), eager, rtol=RTOL_FORMS)
+    g = float(jax.grad(jax.jit(f))(1.3))
+    h = 1e-5
+    fd = (float(f(1.3 + h)) - float(f(1.3 - h))) / (2 * h)
+    # The grid spacing moves with σ, so ε is smooth only up to O(h²)-size steps: 1e-3.
+    assert g < 0 and abs(g - fd) <= 1e-3 * abs(fd), (g, fd)
+
+
+def test_uncertifiable_delta_raises_eagerly_and_is_inf_under_jit():
+    ev = A.dpsgd_event(0.5, 0.3, 10000)
+    with pytest.raises(ValueError, match="cannot certify"):
+        A.pld_epsilon(ev, 1e-10, grid_size=64)
+    assert np.isposinf(float(jax.jit(lambda d: A.pld_epsilon(ev, d, grid_size=64))(1e-10)))
+
+
+def test_validation_and_unsupported_events():
+    with pytest.raises(ValueError, match="grid_size"):
+        A.pld_epsilon(A.Gaussian(1.0), 1e-5, grid_size=1000)
+    with pytest.raises(ValueError, match="delta"):
+        A.pld_epsilon(A.Gaussian(1.0), 1.5)
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        A.pld_epsilon(A.Gaussian(-1.0), 1e-5)
+    with pytest.raises(ValueError):
+        A.pld_epsilon(A.PNSGD(1.0, 0.5, 0.5, 2.0, 1.0, num_records=10), 1e-5)
+    assert np.isnan(float(jax.jit(lambda s: A.pld_epsilon(A.Gaussian(s), 1e-5, grid_size=SMALL))(-1.0)))
+
+
+def test_bracket_contains_the_exact_value():
+    b = A.pld_bracket(A.SelfComposed(A.Gaussian(2.0), 4), 1e-5, grid_size=SMALL)
+    exact = _exact_gauss_epsilon(1e-5, 1.0)
+    assert float(b.lower) <= exact <= float(b.upper)
+    assert float(b.width) == pytest.approx(float(b.upper - b.lower))
+
+
+@pytest.mark.slow
+def test_calibration_meets_target_and_beats_rdp():
+    r = A.calibrate_pld_noise_multiplier(1.0, 256 / 60000, 14040, 1e-5, grid_size=2**13)
+    rdp = A.calibrate_noise_multiplier(1.0, 256 / 60000, 14040, 1e-5)
+    assert float(r.epsilon) <= 1.0
+    assert float(r.noise_multiplier) < float(rdp.noise_multiplier)
+    check = float(A.pld_epsilon(A.dpsgd_event(256 / 60000, r.noise_multiplier, 14040), 1e-5, grid_size=2**13))
+    assert check <= 1.0
+    # dp_accounting's PLD calibration (anchors: σ = 2.0252 at ε = 1, discretisation 1e-4).
+    assert float(r.noise_multiplier) == pytest.approx(2.0252, rel=5e-3)
