@@ -3,7 +3,8 @@ r"""Per-record privacy of projected noisy SGD with hidden iterates: every analys
 :func:`pnsgd_privacy` returns, for each record position i = 1..n, the ε (for a target δ)
 given by the contraction-coefficient analysis (Asoodeh et al.), the amplification-by-
 iteration analysis (Feldman et al.), its strongly convex refinement (Balle et al.), the
-composition baseline that releases every iterate, and the best (smallest) of them.
+shifted-interpolation GDP analysis (Bok et al.), the composition baseline that releases
+every iterate, and the best (smallest) of them.
 :func:`calibrate_pnsgd_noise_std` finds the smallest noise meeting a target (ε, δ).
 """
 
@@ -32,11 +33,12 @@ from ._contraction import (
 )
 from ._hockey_stick import _log_theta_and_complement, _log_theta_slope
 from ._iteration import _linear_eps_masked, _pabi_coefficient, _sc_coefficient
+from ._shifted import _log_contraction, _shifted_energy
 from ._solve import implicit_root, search_decreasing
 
 __all__ = ["PNSGDPrivacy", "pnsgd_privacy", "calibrate_pnsgd_noise_std"]
 
-_ANALYSES = ("best", "contraction", "iteration", "strongly_convex", "composition")
+_ANALYSES = ("best", "contraction", "iteration", "strongly_convex", "shifted_gdp", "composition")
 _SC_FORMS = ("proposition1", "shifted")
 # Shared-grid inversion of the contraction bound (see _contraction_eps_grid): 2^15 + 1
 # points, so the binary search takes 15 steps; the Hermite root is refined by 50 halvings
@@ -68,7 +70,10 @@ class PNSGDPrivacy(NamedTuple):
         improved RDP conversion (+inf for several passes: not derived).
       composition: every iterate released (no amplification): the exact ε of the
         composition of the record's k Gaussian steps.
-      best: the element-wise minimum of the four (a minimum of valid bounds is valid).
+      best: the element-wise minimum of the five (a minimum of valid bounds is valid).
+      shifted_gdp: Bok, Su & Altschuler's shifted interpolation: the record is μ-GDP
+        (:func:`pnsgd_shifted_gdp`), converted exactly (any number of passes, convex or
+        strongly convex, with the start at the diameter when that is better).
     """
 
     positions: jax.Array
@@ -77,6 +82,7 @@ class PNSGDPrivacy(NamedTuple):
     strongly_convex: jax.Array
     composition: jax.Array
     best: jax.Array
+    shifted_gdp: jax.Array
 
 
 def _validate_run(lipschitz, smoothness, learning_rate, noise_std, diameter, strong_convexity, batch_size, passes) -> None:
@@ -282,9 +288,25 @@ def _privacy_core(pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt, sc_form):
         slope_fn=lambda e, r_, lt_: _log_delta_slope(e, r_, r_, zero2),
     )
     eps_g = jnp.where(sel == 1, eps_g2[1], eps_g2[0])
-    best = jnp.minimum(jnp.minimum(eps_c, eps_i), jnp.minimum(eps_s, eps_g))
+    # Shifted interpolation: μ-GDP per record, exact conversion δ(ε) = θ_{e^ε}(μ).
+    mu = _shifted_mu(pos_s, n_s, lip_s, beta, rho, eta_s, sig_s, dia_s, b_s, k_s, scal_ok)
+    eps_sh = _solve_eps(
+        lambda e, mu_, lt_: _lt(e, mu_) - lt_, (mu, jnp.broadcast_to(log_t, mu.shape)),
+        jnp.zeros_like(mu), _eps_bracket(mu, log_t),
+    )
+    best = jnp.minimum(jnp.minimum(jnp.minimum(eps_c, eps_i), jnp.minimum(eps_s, eps_g)), eps_sh)
     nan = lambda x: nan_unless(valid, x)  # noqa: E731
-    return nan(eps_c), nan(eps_i), nan(eps_s), nan(eps_g), nan(best)
+    return nan(eps_c), nan(eps_i), nan(eps_s), nan(eps_g), nan(eps_sh), nan(best)
+
+
+def _shifted_mu(pos, n, lip, beta, rho, eta, sig, dia, b, k, ok):
+    """μ of :func:`pnsgd_shifted_gdp` (safe stand-ins where ``ok`` is False)."""
+    lc = _log_contraction(eta, jnp.where(ok, beta, 1.0), jnp.where(ok, rho, 0.0))
+    shape = jnp.shape(pos)
+    n, lip, eta, sig, dia, b, k, lc = (jnp.broadcast_to(x, shape) for x in (n, lip, eta, sig, dia, b, k, lc))
+    energy = _shifted_energy(pos, n, lip, eta, dia, b, k, lc)
+    pos_e = energy > 0
+    return jnp.where(pos_e, jnp.sqrt(jnp.where(pos_e, energy, 1.0)), 0.0) / sig
 
 
 @float64
@@ -318,9 +340,14 @@ def pnsgd_privacy(
     * ``strongly_convex``: Balle et al. as quoted in Proposition 1 of Asoodeh et al.
       (:func:`strongly_convex_iteration_rdp`; ``strongly_convex_form="shifted"`` uses our
       tighter derivation); +inf when k > 1 (not derived);
+    * ``shifted_gdp``: the record is μ-GDP by shifted interpolation (Bok et al.;
+      :func:`pnsgd_shifted_gdp`: the exact shift allocation with contraction
+      :math:`c = \max(|1-ηρ|, |1-ηβ|)`, started at the run's start or, at distance D, at
+      a later step), converted exactly: :math:`δ = θ_{e^ε}(μ)`; valid for any number of
+      passes, convex or strongly convex;
     * ``composition``: every iterate released, i.e. the k Gaussian steps that use the
       record, composed exactly: :math:`δ = θ_{e^ε}(2L\sqrt k/(b_jσ))`;
-    * ``best``: the minimum of the four. Each is a valid upper bound for the hidden-iterate
+    * ``best``: the minimum of the five. Each is a valid upper bound for the hidden-iterate
       run (the composition one too, by post-processing), so their minimum is valid.
 
     In the event algebra this run is ``PNSGD(...)``; ``epsilon(PNSGD(...), delta)`` is the
@@ -361,7 +388,8 @@ def pnsgd_privacy(
     References:
       Asoodeh, Diaz, Calmon (arXiv:2001.06546), Theorems 4, Proposition 1; Feldman,
       Mironov, Talwar, Thakurta (arXiv:1808.06651), Theorems 22, 23, 35; Balle, Barthe,
-      Gaboardi, Geumlek (NeurIPS 2019), Theorem 5.
+      Gaboardi, Geumlek (NeurIPS 2019), Theorem 5; Bok, Su, Altschuler, "Shifted
+      Interpolation for Differential Privacy" (ICML 2024), §3-4.
 
     Examples:
       >>> import jaxdp
@@ -427,7 +455,7 @@ def pnsgd_privacy(
         s["delta"],
         sc_form=strongly_convex_form,
     )
-    eps_c, eps_i, eps_s, eps_g, best = (jnp.reshape(x, shape) for x in outs)
+    eps_c, eps_i, eps_s, eps_g, eps_sh, best = (jnp.reshape(x, shape) for x in outs)
     return PNSGDPrivacy(
         positions=pos,
         contraction=eps_c,
@@ -435,6 +463,7 @@ def pnsgd_privacy(
         strongly_convex=eps_s,
         composition=eps_g,
         best=best,
+        shifted_gdp=eps_sh,
     )
 
 
@@ -461,6 +490,9 @@ def _constraints(sig, eps_t, log_dt, pos, n, lip, beta, rho, eta, dia, b, k, ana
         v, c = _sc_coefficient(pos, n, lip, sig, m_c, b, sc_form)
         e = _linear_eps_masked(c, dt, v, "improved")
         out["strongly_convex"] = ((e <= safe_eps_t) & (k <= 1), e - eps_t)
+    if analysis in ("best", "shifted_gdp"):
+        mu = _shifted_mu(pos, n, lip, beta, rho, eta, sig, dia, b, k, jnp.ones(jnp.shape(pos), bool))
+        out["shifted_gdp"] = (_lt(safe_eps_t, mu) <= safe_log_dt, _lt(eps_t, mu) - log_dt)
     if analysis in ("best", "composition"):
         lt, _ = _log_theta_and_complement(eps_t, _composition_r(pos, n, lip, sig, b, k))
         lt_safe, _ = _log_theta_and_complement(safe_eps_t, _composition_r(pos, n, lip, sig, b, k))
@@ -531,7 +563,7 @@ def calibrate_pnsgd_noise_std(
       positions: ``None`` (all records: the worst, i = n) or positions in 1..n (any shape;
         σ per position).
       analysis: ``"best"`` (default), ``"contraction"``, ``"iteration"``,
-        ``"strongly_convex"`` or ``"composition"`` (static).
+        ``"strongly_convex"``, ``"shifted_gdp"`` or ``"composition"`` (static).
       strongly_convex_form: ``"proposition1"`` or ``"shifted"`` (static).
 
     Returns:

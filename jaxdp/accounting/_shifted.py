@@ -167,7 +167,13 @@ def _shifted_energy(pos, n, lip, eta, dia, b, k, lc):
 
     lo, hi = jax.lax.while_loop(cond, body, (r_lo0, r_hi0))
     cands = jnp.stack([lo, jnp.minimum(lo + 1.0, hi), jnp.minimum(lo + 2.0, hi)], axis=-1)
-    best_r = jnp.take_along_axis(cands, jnp.argmin(f(cands), axis=-1)[..., None], axis=-1)[..., 0]
+    # The least of the three by selects (argmin and gathers break vmap/grad with x64 off).
+    vals = f(cands)
+    best_r, best_v = cands[..., 0], vals[..., 0]
+    for i in (1, 2):
+        better = vals[..., i] < best_v
+        best_r = jnp.where(better, cands[..., i], best_r)
+        best_v = jnp.where(better, vals[..., i], best_v)
     any_start = r_lo0 <= r_hi0
     best_r = sg(jnp.where(any_start, best_r, 1.0))
     # The run's start (distance 0, first use at j, k uses) and the best later start

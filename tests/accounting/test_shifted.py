@@ -24,7 +24,6 @@ import numpy as np
 import pytest
 
 import jaxdp.accounting as A
-from jaxdp.accounting import _shifted as S
 
 mp.mp.dps = 40
 
@@ -331,3 +330,54 @@ def test_cost_every_position(n):
     pos = np.arange(1, n + 1)
     mu = A.pnsgd_shifted_gdp(pos, n, 1.0, 1.0, 0.5, 1.0, smoothness=1.0, batch_size=100, passes=100)
     assert np.all(np.isfinite(np.asarray(mu)))
+
+
+# ---------------------------------------------------------------------------------------
+# Integration: the best-of, the event, the calibration.
+# ---------------------------------------------------------------------------------------
+
+
+def _mp_gdp_epsilon(mu, delta):
+    """ε of μ-GDP at δ (Dong, Roth, Su): root of Φ(−ε/μ + μ/2) − e^ε Φ(−ε/μ − μ/2) = δ."""
+    mu = mp.mpf(mu)
+    f = lambda e: mp.ncdf(-e / mu + mu / 2) - mp.exp(e) * mp.ncdf(-e / mu - mu / 2) - delta  # noqa: E731
+    return mp.findroot(f, (mp.mpf(0), mu * mp.sqrt(2 * mp.log(1 / mp.mpf(delta))) + mu**2), solver="anderson")
+
+
+TRAIN_DEFAULTS = dict(lipschitz=2.0, smoothness=1.0, learning_rate=1.0, noise_std=0.0625, diameter=60.0,
+                      num_records=1408, batch_size=64, passes=10)
+
+
+def test_pnsgd_privacy_best_includes_shifted_gdp():
+    # `jaxdp train` defaults (case a of the note): worst 5.7648 -> 5.3450, best 3.0226 -> 2.7886.
+    out = A.pnsgd_privacy(**TRAIN_DEFAULTS, delta=1e-5, positions=np.array([1.0, 1408.0]))
+    want = [float(_mp_gdp_epsilon(m, mp.mpf("1e-5"))) for m in (0.6741998624632, 1.187051350655)]
+    np.testing.assert_allclose(out.shifted_gdp, want, rtol=1e-9)
+    np.testing.assert_allclose(out.shifted_gdp, [2.7886, 5.3450], atol=6e-5)
+    others = np.minimum(np.minimum(out.contraction, out.iteration), np.minimum(out.strongly_convex, out.composition))
+    np.testing.assert_allclose(others, [3.02263696912, 5.76479602725], rtol=1e-9)  # today's best-of
+    np.testing.assert_array_equal(out.best, np.minimum(others, out.shifted_gdp))
+
+
+def test_event_epsilon_delta_and_rdp_use_shifted_gdp():
+    ev = A.PNSGD(**TRAIN_DEFAULTS)
+    eps = float(A.epsilon(ev, 1e-5))
+    assert eps == pytest.approx(float(_mp_gdp_epsilon(1.187051350655, mp.mpf("1e-5"))), rel=1e-9)
+    # δ at that ε is the exact GDP δ (μ as in the library, up to its 1e-10 slack).
+    mu = 1.187051350655
+    d_mp = mp.ncdf(-eps / mu + mu / 2) - mp.exp(eps) * mp.ncdf(-eps / mu - mu / 2)
+    assert float(A.delta(ev, eps)) == pytest.approx(float(d_mp), rel=1e-8)
+    curve = np.asarray(A.rdp(ev, [2.0, 8.0]))
+    np.testing.assert_allclose(curve, 0.5 * mu**2 * np.array([2.0, 8.0]), rtol=RTOL)  # below Feldman's 1.409α
+
+
+def test_calibrate_shifted_gdp():
+    # σ* with μ(σ*) = μ_max(ε, δ): μ scales as 1/σ, so σ* = μ(σ = 1)·/μ_max; μ_max by mpmath.
+    kw = dict(lipschitz=1.0, smoothness=1.0, learning_rate=0.5, diameter=1.0, num_records=20, strong_convexity=0.1,
+              passes=3)
+    sig = float(A.calibrate_pnsgd_noise_std(2.0, 1e-5, **kw, analysis="shifted_gdp"))
+    # μ at σ = 1 for the worst record: NoisyCGD strongly convex closed form (c = 0.95, r = 2)
+    mu1 = 2.0 * float(noisycgd_sc_worst(0.95, 20, 3))
+    mu_max = mp.findroot(lambda m: _mp_gdp_epsilon(m, mp.mpf("1e-5")) - 2, mp.mpf("0.45"))
+    assert sig == pytest.approx(mu1 / float(mu_max), rel=1e-8)
+    assert sig >= mu1 / float(mu_max) * (1 - 1e-12)  # on the safe side
