@@ -338,10 +338,17 @@ def test_cost_every_position(n):
 
 
 def _mp_gdp_epsilon(mu, delta):
-    """ε of μ-GDP at δ (Dong, Roth, Su): root of Φ(−ε/μ + μ/2) − e^ε Φ(−ε/μ − μ/2) = δ."""
-    mu = mp.mpf(mu)
-    f = lambda e: mp.ncdf(-e / mu + mu / 2) - mp.exp(e) * mp.ncdf(-e / mu - mu / 2) - delta  # noqa: E731
-    return mp.findroot(f, (mp.mpf(0), mu * mp.sqrt(2 * mp.log(1 / mp.mpf(delta))) + mu**2), solver="anderson")
+    """ε of μ-GDP at δ (Dong, Roth, Su): root of Φ(−ε/μ + μ/2) − e^ε Φ(−ε/μ − μ/2) = δ (bisection, 40 digits)."""
+    mu, delta = mp.mpf(mu), mp.mpf(delta)
+
+    def d(e):
+        return mp.ncdf(-e / mu + mu / 2) - mp.exp(e) * mp.ncdf(-e / mu - mu / 2)
+
+    lo, hi = mp.mpf(0), mu * mp.sqrt(2 * mp.log(1 / delta)) + mu**2
+    for _ in range(160):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if d(mid) > delta else (lo, mid)
+    return hi
 
 
 TRAIN_DEFAULTS = dict(lipschitz=2.0, smoothness=1.0, learning_rate=1.0, noise_std=0.0625, diameter=60.0,
@@ -373,11 +380,15 @@ def test_event_epsilon_delta_and_rdp_use_shifted_gdp():
 
 def test_calibrate_shifted_gdp():
     # σ* with μ(σ*) = μ_max(ε, δ): μ scales as 1/σ, so σ* = μ(σ = 1)·/μ_max; μ_max by mpmath.
-    kw = dict(lipschitz=1.0, smoothness=1.0, learning_rate=0.5, diameter=1.0, num_records=20, strong_convexity=0.1,
+    kw = dict(lipschitz=1.0, smoothness=1.0, learning_rate=0.5, diameter=1e6, num_records=20, strong_convexity=0.1,
               passes=3)
     sig = float(A.calibrate_pnsgd_noise_std(2.0, 1e-5, **kw, analysis="shifted_gdp"))
-    # μ at σ = 1 for the worst record: NoisyCGD strongly convex closed form (c = 0.95, r = 2)
+    # μ at σ = 1 for the worst record: NoisyCGD strongly convex closed form (c = 0.95, r = 2; D too large for a later start)
     mu1 = 2.0 * float(noisycgd_sc_worst(0.95, 20, 3))
-    mu_max = mp.findroot(lambda m: _mp_gdp_epsilon(m, mp.mpf("1e-5")) - 2, mp.mpf("0.45"))
+    lo, hi = mp.mpf("0.01"), mp.mpf(2)  # μ_max: ε(μ) = 2, ε increasing in μ
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _mp_gdp_epsilon(mid, "1e-5") < 2 else (lo, mid)
+    mu_max = (lo + hi) / 2
     assert sig == pytest.approx(mu1 / float(mu_max), rel=1e-8)
     assert sig >= mu1 / float(mu_max) * (1 - 1e-12)  # on the safe side
