@@ -53,6 +53,10 @@ _NEWTON_ITERS = 6
 _TIGHT_REL = 1e-10
 _MARGIN_REL = 1e-12
 _MARGIN_ABS = 1e-15
+# Safeguarded Newton steps inverting the exact GDP δ(ε) (see _gdp_eps): quadratic
+# convergence from the bracket's end; 16 steps reach float64 precision in every case tested
+# (a step that would leave the bracket bisects it instead).
+_GDP_NEWTON_ITERS = 16
 # Bisection on log σ: the bracket spans 60 octaves and is halved 64 times.
 _SIGMA_OCTAVES_BELOW = 40.0
 _SIGMA_OCTAVES_ABOVE = 20.0
@@ -290,13 +294,56 @@ def _privacy_core(pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt, sc_form):
     eps_g = jnp.where(sel == 1, eps_g2[1], eps_g2[0])
     # Shifted interpolation: μ-GDP per record, exact conversion δ(ε) = θ_{e^ε}(μ).
     mu = _shifted_mu(pos_s, n_s, lip_s, beta, rho, eta_s, sig_s, dia_s, b_s, k_s, scal_ok)
-    eps_sh = _solve_eps(
-        lambda e, mu_, lt_: _lt(e, mu_) - lt_, (mu, jnp.broadcast_to(log_t, mu.shape)),
-        jnp.zeros_like(mu), _eps_bracket(mu, log_t),
-    )
+    eps_sh = _gdp_eps(mu, log_t)
     best = jnp.minimum(jnp.minimum(jnp.minimum(eps_c, eps_i), jnp.minimum(eps_s, eps_g)), eps_sh)
     nan = lambda x: nan_unless(valid, x)  # noqa: E731
     return nan(eps_c), nan(eps_i), nan(eps_s), nan(eps_g), nan(eps_sh), nan(best)
+
+
+def _gdp_eps(mu, log_t):
+    r"""Smallest ε (rounded up, certified) with :math:`\log θ_{e^ε}(μ) ≤ \log δ`: ε of μ-GDP.
+
+    Safeguarded Newton on the exact log θ inside the certified bracket
+    [0, μ√(2 log(1/δ)) + μ²/2] (:func:`_eps_bracket`): a step leaving the bracket is a
+    bisection, and the bracket's upper end only ever moves to points where the bound
+    holds. The final iterate plus a relative margin of 1e-12 is accepted when one exact
+    evaluation certifies it, else the bracket's certified upper end is returned. About
+    one tenth of the cost of a 64-step bisection per position; gradients by the implicit
+    function theorem.
+    """
+    sg = jax.lax.stop_gradient
+    lt_s = sg(_safe_target(log_t))
+    mu_s = sg(mu)
+    hi0 = sg(_eps_bracket(mu_s, log_t))
+
+    def h_slope(x):
+        lt, sl = _log_theta_slope(x, mu_s)
+        return lt - lt_s, sl
+
+    def newton(_, state):
+        x, lo, hi = state
+        h, dh = h_slope(x)
+        above = h > 0
+        lo = jnp.where(above, x, lo)
+        hi = jnp.where(above, hi, x)
+        ok = jnp.isfinite(h) & jnp.isfinite(dh) & (dh < 0)
+        nxt = x - jnp.where(ok, h / jnp.where(ok, dh, -1.0), jnp.nan)
+        inside = (nxt > lo) & (nxt < hi)
+        return jnp.where(inside, nxt, 0.5 * (lo + hi)), lo, hi
+
+    x, _, hi = jax.lax.fori_loop(0, _GDP_NEWTON_ITERS, newton, (hi0, jnp.zeros_like(hi0), hi0))
+    cand = jnp.minimum(x + _MARGIN_REL * x + _MARGIN_ABS, hi)
+    h_c, _ = h_slope(cand)
+    eps0 = jnp.where(h_c <= 0, cand, hi)
+    h_0, _ = h_slope(jnp.zeros_like(hi0))
+    at_zero = h_0 <= 0
+    eps0 = sg(jnp.where(at_zero, 0.0, eps0))
+    # Implicit derivative: d ε = -(∂_μ log θ dμ - d log δ)/∂_ε log θ at the returned ε.
+    g = _lt(eps0, mu) - log_t
+    _, dg = h_slope(eps0)
+    use = (~at_zero) & jnp.isfinite(dg) & (dg < 0) & jnp.isfinite(g)
+    corr = (jnp.where(use, g, 0.0) - sg(jnp.where(use, g, 0.0))) / jnp.where(use, dg, -1.0)
+    return eps0 - jnp.where(use, corr, 0.0)
 
 
 def _shifted_mu(pos, n, lip, beta, rho, eta, sig, dia, b, k, ok):
