@@ -184,4 +184,14 @@ __all__ += [
     "pld_bracket",
     "pld_delta",
     "pld_epsilon",
+
+# Shifted interpolation (Bok, Su & Altschuler 2024): per-record GDP of PNSGD.
+from ._shifted import pnsgd_shifted_gdp as pnsgd_shifted_gdp  # noqa: E402
+from ._shifted import pnsgd_shifted_rdp as pnsgd_shifted_rdp  # noqa: E402
+from ._shifted import shifted_contraction as shifted_contraction  # noqa: E402
+
+__all__ += [
+    "pnsgd_shifted_gdp",
+    "pnsgd_shifted_rdp",
+    "shifted_contraction",
 ]

@@ -49,6 +49,7 @@ from ._hockey_stick import gaussian_hockey_stick
 from ._iteration import linear_rdp_delta, pnsgd_iteration_rdp, stop_pnsgd_iteration_rdp
 from ._pnsgd import pnsgd_privacy
 from ._rdp import DEFAULT_ORDERS, gaussian_rdp, laplace_rdp, sampled_gaussian_rdp
+from ._shifted import pnsgd_shifted_gdp
 
 __all__ = [
     "Event",
@@ -142,6 +143,14 @@ def _p_pnsgd_iteration_rdp(orders, position, ev: PNSGD):
     # keyword arguments: batch_size, passes.
     return pnsgd_iteration_rdp(
         orders, position, ev.num_records, ev.lipschitz, ev.noise_std, batch_size=ev.batch_size, passes=ev.passes
+    )
+
+
+def _p_pnsgd_shifted_gdp(position, ev: PNSGD):
+    # keyword arguments: smoothness, strong_convexity, batch_size, passes.
+    return pnsgd_shifted_gdp(
+        position, ev.num_records, ev.lipschitz, ev.noise_std, ev.learning_rate, ev.diameter,
+        smoothness=ev.smoothness, strong_convexity=ev.strong_convexity, batch_size=ev.batch_size, passes=ev.passes,
     )
 
 
@@ -304,8 +313,10 @@ class PNSGD(Event):
 
     * ``schedule="fixed"``, ``hidden=True`` (only the final iterate released): the best of
       the contraction, amplification-by-iteration, strongly convex and composition
-      analyses of :func:`pnsgd_privacy`; its RDP curve (for composing with other events)
-      is Feldman et al.'s (:func:`pnsgd_iteration_rdp`).
+      analyses of :func:`pnsgd_privacy`, and the shifted-interpolation GDP bound of Bok
+      et al. (:func:`pnsgd_shifted_gdp`); its RDP curve (for composing with other events)
+      is the smaller of Feldman et al.'s (:func:`pnsgd_iteration_rdp`) and the GDP
+      bound's :math:`αμ^2/2` (:func:`pnsgd_shifted_rdp`) at each order.
     * ``schedule="fixed"``, ``hidden=False`` (every iterate released): the exact
       composition of the record's ``passes`` Gaussian steps (the ``composition`` analysis).
     * ``schedule="random_stop"``, ``hidden=True``: a uniformly random, secret number of
@@ -567,7 +578,11 @@ def _pnsgd_rdp(ev: PNSGD, orders: np.ndarray):
     if ev.schedule == "random_stop":
         curve = _p_stop_pnsgd_iteration_rdp(orders, 1, ev)
     elif ev.hidden:
-        curve = _p_pnsgd_iteration_rdp(orders, n, ev)  # the last record is the worst
+        # The last record is the worst for both curves (each is non-decreasing in the
+        # position); at each order the smaller of two valid RDP bounds is valid.
+        curve = _p_pnsgd_iteration_rdp(orders, n, ev)
+        mu = _p_pnsgd_shifted_gdp(n, ev)
+        curve = jnp.minimum(curve, 0.5 * f64(orders) * (mu**2)[..., None])
     else:
         # Every iterate released: the record's k steps, each a Gaussian mechanism with
         # sensitivity 2L/b_n over noise σ, compose to one with ratio r = 2L√k/(b_n σ).
@@ -682,7 +697,9 @@ def _pnsgd_delta_one(ev: PNSGD, target_epsilon, orders):
             coef = _p_pnsgd_iteration_rdp(np.array([2.0]), n, ev)[..., 0] / 2.0
             d_i = jnp.minimum(_p_linear_rdp_delta(target_epsilon, coef),
                               _p_rdp_to_delta(curve, orders, target_epsilon))
-            out = jnp.minimum(jnp.minimum(d_c, d_i), d_g)
+            # Shifted interpolation: μ-GDP, exact δ(ε) = θ_{e^ε}(μ).
+            d_s = _p_gaussian_hockey_stick(target_epsilon, _p_pnsgd_shifted_gdp(n, ev))
+            out = jnp.minimum(jnp.minimum(jnp.minimum(d_c, d_i), d_g), d_s)
         else:
             out = d_g
     return jnp.where(_pnsgd_step_ok(ev), out, jnp.nan)

@@ -14,7 +14,7 @@ import math
 
 from ._common import error, fmt, option_message
 
-_ANALYSES = ("contraction", "iteration", "strongly_convex", "composition", "best")
+_ANALYSES = ("contraction", "iteration", "strongly_convex", "shifted_gdp", "composition", "best")
 
 
 def add_parser(sub) -> None:
@@ -24,7 +24,8 @@ def add_parser(sub) -> None:
         description=(
             "ε per record position of projected noisy SGD (only the final iterate released), by the "
             "contraction-coefficient analysis (Asoodeh et al.), amplification by iteration (Feldman et al.), "
-            "its strongly convex version (Balle et al.), the composition baseline (every iterate released), "
+            "its strongly convex version (Balle et al.), shifted-interpolation GDP (Bok et al.), the composition "
+            "baseline (every iterate released), "
             "and the best of them. Assumes a convex, L-Lipschitz, beta-smooth loss and a fixed order; the "
             "command cannot check convexity."
         ),

@@ -257,7 +257,7 @@ def _pnsgd_lines(ds, args, res, rep, led, total) -> list[str]:
         f"epsilon per record position (best / median / worst over {rep.positions.size} positions):",
     ]
     if amp is not None:
-        label = "random stopping" if led.schedule == "random_stop" else "amplification by iteration"
+        label = "random stopping" if led.schedule == "random_stop" else "amplified, best analysis"
         lines.append(f"  {label + ' (hidden iterates):':<44} {_f(amp['best'])} / {_f(amp['median'])} / "
                      f"{_f(amp['worst'])}")
     else:

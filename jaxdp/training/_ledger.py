@@ -10,8 +10,8 @@ with the pure accountants of :mod:`jaxdp.accounting`.
 Which guarantee is reported:
 
 * ``"hidden-state"``: the element-wise best of the contraction (Asoodeh et al. Thm 4),
-  amplification-by-iteration (Feldman et al. Thm 23), strongly convex and composition
-  bounds of :func:`jaxdp.accounting.pnsgd_privacy`. It needs a convex,
+  amplification-by-iteration (Feldman et al. Thm 23), strongly convex, shifted-interpolation
+  GDP (Bok et al. 2024) and composition bounds of :func:`jaxdp.accounting.pnsgd_privacy`. It needs a convex,
   :math:`L`-Lipschitz, :math:`\beta`-smooth loss, :math:`\eta \le 2/(\beta+\rho)`, clipping that
   never acts (so each update is a gradient step on that loss: a clipped gradient of a
   convex loss is not the gradient of a convex function), and only the final iterate
@@ -151,7 +151,7 @@ class PrivacyReport(NamedTuple):
       epsilon: the reported ε per position (the best valid bound for ``analysis``).
       composition: ε per position if every iterate were released (always valid).
       amplified: ε per position of the amplified analysis (best of contraction,
-        iteration, strongly convex and composition; for random stopping, Asoodeh et al.
+        iteration, strongly convex, shifted-interpolation GDP and composition; for random stopping, Asoodeh et al.
         Theorem 5, Feldman et al. Theorem 26 and composition), or ``None`` when its
         assumptions do not hold.
       by_analysis: every analysis computed, name → ε per position.
@@ -260,7 +260,7 @@ def _pnsgd_epsilons(*, lipschitz, smoothness, strong_convexity, learning_rate, n
     if not amplified:
         return {"composition": np.asarray(out.composition, np.float64)}
     return {name: np.asarray(getattr(out, name), np.float64)
-            for name in ("contraction", "iteration", "strongly_convex", "composition", "best")}
+            for name in ("contraction", "iteration", "strongly_convex", "shifted_gdp", "composition", "best")}
 
 
 def _stop_epsilons(ledger: PrivacyLedger) -> dict[str, np.ndarray]:

@@ -105,6 +105,12 @@ CASES = {
         lambda x: A.strongly_convex_iteration_rdp(ORD, 1, 40, 1.0, x, 0.9)[-1], 1.3),
     "pnsgd_privacy": (_pnsgd_privacy, 1.3),
     "calibrate_pnsgd_noise_std": (_calibrate_pnsgd, 1.3),
+    # Strongly convex, several passes, diameter start possible: the search over starts runs.
+    "pnsgd_shifted_gdp": (lambda x: A.pnsgd_shifted_gdp(7, 8, 1.0, x, 0.5, 0.5, smoothness=1.0,
+                                                        strong_convexity=0.25, batch_size=2, passes=3), 1.3),
+    "pnsgd_shifted_rdp": (lambda x: A.pnsgd_shifted_rdp(ORD, 7, 8, 1.0, x, 0.5, 0.5, smoothness=1.0,
+                                                        batch_size=2, passes=3)[-1], 1.3),
+    "shifted_contraction": (lambda x: A.shifted_contraction(0.5, 1.0, x), 0.25),
     "gaussian_rdp": (lambda x: A.gaussian_rdp(ORD, x)[-1], 1.3),
     "sampled_gaussian_rdp": (lambda x: A.sampled_gaussian_rdp(ORD, 0.02, x)[-1], 1.3),
     "heterogeneous_rdp": (lambda x: A.heterogeneous_rdp(ORD, (0.01, 0.02), (x, 2.0 * x), (100.0, 200.0))[-1], 1.3),
