@@ -181,3 +181,13 @@ def test_pnsgd_invalid_arguments(capsys, flag, value, name):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("jaxdp: error:") and name in err[0]
+
+
+def test_calibrate_says_when_the_target_is_met_at_the_lower_bound(capsys):
+    argv = ["calibrate", "--epsilon", "1e6", "--q", "0.01", "--num-steps", "1000", "--delta", "1e-5"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "any noise multiplier >= 0.05 meets the target; the smallest searched is 0.05" in out
+    assert main(argv + ["--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["at_lower_bound"] is True and payload["noise_multiplier"] == 0.05
