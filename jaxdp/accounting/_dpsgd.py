@@ -94,10 +94,21 @@ def schedule_epsilon(q, noise_multiplier, num_steps, delta, orders=DEFAULT_ORDER
 
 
 class CalibrationResult(NamedTuple):
-    """Calibrated noise multiplier and the ε it achieves (≤ the target when found)."""
+    """Calibrated noise multiplier and the ε it achieves (≤ the target when found).
+
+    Attributes:
+      noise_multiplier: the smallest σ found meeting the target; +inf where even the upper
+        end of ``noise_multiplier_bounds`` misses it; NaN for invalid inputs under ``jit``.
+      epsilon: ε of that σ, recomputed by :func:`dpsgd_epsilon` (≤ the target), +inf where
+        not found.
+      at_lower_bound: True where the target is already met at the lower end of
+        ``noise_multiplier_bounds``: σ is that end, not a threshold; every σ at or above it
+        meets the target and smaller ones were not searched.
+    """
 
     noise_multiplier: jax.Array
     epsilon: jax.Array
+    at_lower_bound: jax.Array
 
 
 @float64
@@ -128,8 +139,15 @@ def calibrate_noise_multiplier(
     accepted probe: ε never exceeds the target. With the default 32 steps σ is within
     1e-9 relative of the exact threshold (about 2e-11 measured on random configurations).
 
+    The returned σ is then checked once more: its ε recomputed by :func:`dpsgd_epsilon`
+    in the result's shape must be at most the target itself (not only the margin), else σ
+    steps up by a relative 1e-12, ..., 1e-7 (each step checked), then to the upper bound;
+    the returned ε is that recomputed value.
+
     If even ``noise_multiplier_bounds[1]`` misses the target, σ = +inf (not achievable in range).
-    If ``noise_multiplier_bounds[0]`` already meets it, that lower bound is returned.
+    If ``noise_multiplier_bounds[0]`` already meets it, that lower bound is returned with
+    ``at_lower_bound`` set: every σ at or above it meets the target, and the smallest one
+    may be lower (widen the bounds to find it).
 
     Derivatives (``jax.grad``, ``jax.jvp``) of σ with respect to the target, q, num_steps and δ
     come from the implicit function theorem on ε(σ*) = target:
@@ -147,13 +165,14 @@ def calibrate_noise_multiplier(
       solver_iterations: search steps after the two end evaluations (static).
 
     Returns:
-      ``CalibrationResult(noise_multiplier, epsilon)``, float64, broadcast shape.
+      ``CalibrationResult(noise_multiplier, epsilon, at_lower_bound)``: σ and ε float64,
+      the flag boolean, all of the broadcast shape.
 
     Examples:
       >>> import jaxdp
       >>> r = jaxdp.accounting.calibrate_noise_multiplier(1.0, 256 / 60000, 14040, 1e-5)
-      >>> float(r.epsilon) <= 1.0, round(float(r.noise_multiplier), 3)
-      (True, 2.178)
+      >>> float(r.epsilon) <= 1.0, round(float(r.noise_multiplier), 3), bool(r.at_lower_bound)
+      (True, 2.178, False)
     """
     _validate.check_in_range("target_epsilon", target_epsilon, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("q", q, 0.0, 1.0)
@@ -182,18 +201,58 @@ def _calibrate_core(target, q, steps, delta, orders, method, lo_s, hi_s, iterati
     target_s = jnp.where(valid, target, 1.0)
     q_s, steps_s, delta_s = (jnp.where(valid, x, 0.5) for x in (q, steps, delta))
     res = _search(target_s, q_s, steps_s, delta_s, orders, method, lo_s, hi_s, iterations)
+    sigma, eps = _verify(res.x, target_s, q_s, steps_s, delta_s, orders, method, hi_s)
+    found = jnp.isfinite(sigma)
+    at_low = res.at_low & (sigma == lo_s)
     # σ* moves by the implicit function theorem where the target binds (see implicit_root).
     sigma, eps = implicit_root(
         functools.partial(_eps_of_sigma, orders=orders, method=method),
-        res.x,
-        res.aux,
+        sigma,
+        eps,
         target,
         (q, steps, delta),
-        res.found & ~res.at_low,
-        res.at_low,
+        found & ~at_low,
+        at_low,
     )
-    eps = jnp.where(res.found, eps, jnp.inf)
-    return CalibrationResult(jnp.where(valid, sigma, jnp.nan), jnp.where(valid, eps, jnp.nan))
+    eps = jnp.where(found, eps, jnp.inf)
+    return CalibrationResult(jnp.where(valid, sigma, jnp.nan), jnp.where(valid, eps, jnp.nan), valid & at_low)
+
+
+# Checks of the returned σ: the σ itself, then relative steps up of 1e-12, 1e-11, ..., 1e-7,
+# then the upper end of the bracket.
+_VERIFY_STEPS = 7
+
+
+def _verify(sigma, target, q, steps, delta, orders, method, hi_s):
+    r"""σ (values only) whose ε, recomputed by :func:`dpsgd_epsilon`, is at most the target.
+
+    The search accepts a point with a relative 1e-12 margin under the target, in the batch
+    shape of its probes; ε recomputed at the returned σ in another program can differ in
+    the last bits. So the returned σ is checked once more with :func:`dpsgd_epsilon` itself
+    in the result's shape against the target (no margin), and where that fails (not seen
+    in practice) σ steps up by a relative 1e-12, 1e-11, ..., 1e-7, then to the upper end of
+    the bracket, each step checked; +inf if nothing passes. One ``while_loop`` (one traced
+    copy of the accountant): its first pass is the check, later passes run only while
+    some element fails. Returns ``(σ, ε at σ)``.
+    """
+    sigma = jax.lax.stop_gradient(sigma)
+    todo = jnp.isfinite(sigma)
+    start = jnp.where(todo, sigma, hi_s)
+
+    def cond(state):
+        k, _, _, ok = state
+        return (k <= _VERIFY_STEPS) & jnp.any(~ok)
+
+    def body(state):
+        k, s, e, ok = state
+        trial = jnp.where(k == 0, start, jnp.where(k < _VERIFY_STEPS, start * (1.0 + 10.0 ** (k - 13.0)), hi_s))
+        e_new = dpsgd_epsilon(q, trial, steps, delta, orders=orders, method=method)
+        passed = ~ok & (e_new <= target)
+        return k + 1, jnp.where(passed, trial, s), jnp.where(passed, e_new, e), ok | passed
+
+    init = (jnp.asarray(0), jnp.full(sigma.shape, jnp.inf), jnp.full(sigma.shape, jnp.inf), ~todo)
+    _, s, e, _ = jax.lax.while_loop(cond, body, init)
+    return s, e
 
 
 def _eps_of_sigma(sigma, q, steps, delta, *, orders, method):

@@ -25,11 +25,21 @@ def run(args) -> int:
     res = A.calibrate_noise_multiplier(args.epsilon, args.q, args.num_steps, args.delta, orders=orders(args),
                                        method=args.method)
     nm, eps = float(res.noise_multiplier), float(res.epsilon)
+    at_lower = bool(res.at_lower_bound)
     payload = dict(target_epsilon=args.epsilon, q=args.q, num_steps=args.num_steps, delta=args.delta,
-                   noise_multiplier=nm, epsilon=eps)
+                   noise_multiplier=nm, epsilon=eps, at_lower_bound=at_lower)
     if not math.isfinite(nm):
         emit(args, payload, [f"no noise multiplier in the search range reaches epsilon <= {args.epsilon:g}"])
         return 1
+    if at_lower:
+        # The target is met at the bracket's lower end: that end is not a threshold.
+        emit(args, payload, [
+            f"any noise multiplier >= {nm:g} meets the target; the smallest searched is {nm:g}, so the "
+            f"smallest that meets it may be lower",
+            f"at {nm:g}: epsilon = {eps:.6f} <= {args.epsilon:g} at delta = {args.delta:g} "
+            f"(q={args.q:g}, steps={args.num_steps:g})",
+        ])
+        return 0
     emit(args, payload, [
         f"smallest noise multiplier: {nm:.6f}",
         f"it gives epsilon = {eps:.6f} <= {args.epsilon:g} at delta = {args.delta:g} "

@@ -239,3 +239,92 @@ def test_calibration_random_batch_safe_and_tight(method):
     inside = (ref > 0.05) & (ref < 1e4)
     assert inside.sum() > 150
     np.testing.assert_array_less(np.abs(sigma[inside] / ref[inside] - 1.0), CALIBRATION_TIGHTNESS)
+
+
+# Issue 12: a batched calibration once returned a σ whose ε, recomputed, was one ulp above
+# the target. The vector, and the shapes in which ε is recomputed: scalar, the same batch,
+# a batch over the chunk size of the RDP (64), mixed with other configurations.
+# ε of the same σ from two compiled programs (other batch shape, fusion): a few ulps.
+RECOMPUTE_RTOL = 1e-13
+ISSUE12 = (5.364532881100769, 2.9750698236387747e-05, 2072.0, 8.667982488959775e-06)
+
+
+def _assert_recomputed_within_target(target, q, steps, delta, sigma):
+    target, q, steps, delta, sigma = np.broadcast_arrays(target, q, steps, delta, sigma)
+    batched = np.asarray(dpsgd_epsilon(q, sigma, steps, delta))
+    assert np.all(batched <= target)
+    for k in range(min(target.size, 4)):
+        i = np.unravel_index(k, target.shape)
+        assert float(_eps(q[i], sigma[i], steps[i], delta[i])) <= target[i]
+        assert float(dpsgd_epsilon(q[i], sigma[i], steps[i], delta[i])) <= target[i]
+
+
+@pytest.mark.parametrize("size", [1, 3, 65])
+def test_calibration_issue12_vector_never_above_target(size):
+    t, q, s, d = ISSUE12
+    rng = np.random.default_rng(size)
+    target = np.concatenate([[t], 10 ** rng.uniform(-0.5, 1, size - 1)])
+    res = calibrate_noise_multiplier(target, q, s, d)
+    sigma = np.asarray(res.noise_multiplier)
+    assert np.all(np.isfinite(sigma))
+    _assert_recomputed_within_target(target, q, s, d, sigma)
+    # The returned ε is the recomputed one (another compiled program may round the last bit
+    # differently: that is what the 1e-12 acceptance margin is for).
+    np.testing.assert_allclose(np.asarray(res.epsilon), np.asarray(dpsgd_epsilon(q, sigma, s, d)), rtol=RECOMPUTE_RTOL)
+    single = calibrate_noise_multiplier(t, q, s, d)
+    assert float(dpsgd_epsilon(q, float(single.noise_multiplier), s, d)) <= t
+    assert float(single.noise_multiplier) == pytest.approx(sigma[0], rel=1e-9)
+
+
+def test_verification_steps_up_until_the_target_is_met():
+    """A σ just below the threshold (as a search rounding the wrong way would return) is
+    stepped up the ladder 1e-12, ..., 1e-7 relative; each trial is checked with dpsgd_epsilon."""
+    from jaxdp.accounting._dpsgd import _verify
+
+    t, q, s, d = ISSUE12
+    sigma = float(calibrate_noise_multiplier(t, q, s, d).noise_multiplier)
+    low = sigma * (1 - 1e-9)
+    assert float(dpsgd_epsilon(q, low, s, d)) > t  # the threshold lies between low and σ
+    orders = tuple(float(a) for a in DEFAULT_ORDERS)
+    args = [np.array([x]) for x in (t, q, s, d)]
+    got, eps = _verify(jnp.array([low, sigma, np.inf]), *[np.repeat(a, 3) for a in args], orders, "improved", 1e4)
+    got, eps = np.asarray(got), np.asarray(eps)
+    ladder = [low * (1 + 10.0 ** (k - 13)) for k in range(1, 7)]
+    first_ok = next(x for x in ladder if float(dpsgd_epsilon(q, x, s, d)) <= t)
+    assert got[0] == first_ok and eps[0] <= t
+    assert got[1] == sigma  # already meets the target: unchanged
+    assert math.isinf(got[2]) and math.isinf(eps[2])  # not found stays not found
+    # Nothing on the ladder passes: the bracket's upper end.
+    far = sigma * 0.5
+    got, _ = _verify(jnp.array([far]), *args, orders, "improved", 1e4)
+    assert float(got[0]) == 1e4
+
+
+_cal_jit = jax.jit(lambda e, q, t, d: calibrate_noise_multiplier(e, q, t, d).noise_multiplier)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    e=st.floats(0.2, 20.0),
+    q=st.floats(1e-5, 0.3),
+    t=st.integers(1, 100000),
+    d=st.floats(1e-10, 1e-3),
+)
+def test_calibration_never_above_target_property(e, q, t, d):
+    sigma = float(_cal_jit(e, q, float(t), d))
+    if math.isfinite(sigma):
+        assert float(_eps(q, sigma, float(t), d)) <= e
+        two = np.asarray(dpsgd_epsilon(np.full(2, q), np.full(2, sigma), float(t), d))
+        assert np.all(two <= e)
+
+
+def test_calibration_flags_a_target_met_at_the_lower_bound():
+    """ε = 1e6 is met at σ = 0.05 (the bracket's lower end): flagged, not passed off as a threshold."""
+    res = calibrate_noise_multiplier(np.array([1e6, 1.0, 1e-6]), np.array([0.01, 0.01, 1.0]), np.array([1000.0, 1000.0, 1e6]),
+                                     1e-5)
+    assert np.asarray(res.at_lower_bound).tolist() == [True, False, False]
+    assert float(res.noise_multiplier[0]) == 0.05 and float(res.epsilon[0]) <= 1e6
+    assert math.isinf(float(res.noise_multiplier[2]))
+    wider = calibrate_noise_multiplier(1e6, 0.01, 1000, 1e-5, noise_multiplier_bounds=(1e-3, 1e4))
+    assert not bool(wider.at_lower_bound) and float(wider.noise_multiplier) < 0.05
+    assert float(dpsgd_epsilon(0.01, float(wider.noise_multiplier), 1000, 1e-5)) <= 1e6
