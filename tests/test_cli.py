@@ -320,6 +320,7 @@ def test_train_plot_failure_keeps_the_result_and_edited_checkpoint_is_refused(tm
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("jaxdp: error:") and err.count("\n") == 1 and "integrity" in err, err
 
+
 def test_calibrate_says_when_the_target_is_met_at_the_lower_bound(capsys):
     argv = ["calibrate", "--epsilon", "1e6", "--q", "0.01", "--num-steps", "1000", "--delta", "1e-5"]
     assert main(argv) == 0

@@ -184,6 +184,7 @@ __all__ += [
     "pld_bracket",
     "pld_delta",
     "pld_epsilon",
+]
 
 # Shifted interpolation (Bok, Su & Altschuler 2024): per-record GDP of PNSGD.
 from ._shifted import pnsgd_shifted_gdp as pnsgd_shifted_gdp  # noqa: E402
