@@ -425,9 +425,14 @@ def strongly_convex_iteration_rdp(
     return _with_orders(valid, c, orders)
 
 
-def _improved_eps(c, log_delta, alpha):
-    """ε(α) = cα + log(1 − 1/α) − (log δ + log α)/(α − 1) (Canonne–Kamath–Steinke, Prop. 12)."""
-    return c * alpha + jnp.log1p(-1.0 / alpha) - (log_delta + jnp.log(alpha)) / (alpha - 1.0)
+def _improved_eps(c, log_delta, u):
+    """ε(α) = cα + log(1 − 1/α) − (log δ + log α)/(α − 1) (Canonne–Kamath–Steinke, Prop. 12), at α = 1 + u.
+
+    Written in u = α − 1 (log(1 − 1/α) = log u − log1p u): for a huge coefficient the optimal
+    u is below the spacing of floats near 1, where 1 + u rounds to 1 and the α form gives
+    log 0 = −inf, i.e. ε = 0 for a mechanism that is not private at all.
+    """
+    return c * (1.0 + u) + jnp.log(u) - jnp.log1p(u) - (log_delta + jnp.log1p(u)) / u
 
 
 def _linear_eps(c, log_delta, method):
@@ -451,8 +456,10 @@ def _linear_eps(c, log_delta, method):
     init = (jnp.zeros_like(u_c), u_c, u_c)
     _, _, u = jax.lax.fori_loop(0, _NEWTON_ITERS, body, jax.lax.stop_gradient(init))
     u = jnp.where(u > 0, u, u_c)
-    # Every order gives a valid ε; keep the better of the search and the classic order.
-    return jnp.minimum(_improved_eps(c, log_delta, 1.0 + u), _improved_eps(c, log_delta, 1.0 + u_c))
+    # Every order gives a valid ε; keep the better of the search and the classic order, and
+    # the classic conversion itself where the improved one is not a finite number (u = 0).
+    imp = jnp.minimum(_improved_eps(c, log_delta, u), _improved_eps(c, log_delta, u_c))
+    return jnp.where(jnp.isfinite(imp), jnp.minimum(imp, classic), classic)
 
 
 @float64

@@ -190,6 +190,36 @@ def test_linear_conversion_improved_against_fine_grid():
     assert float(I.linear_rdp_epsilon(jnp.inf, 1e-5)) == math.inf
 
 
+@pytest.mark.parametrize("c", [1e16, 1e20, 1e30, 1e34, 1e36, 1e300])
+def test_linear_conversion_huge_coefficient_is_not_zero(c):
+    """A noise std of 1e-18 gives coefficients near 1e36, where the optimal order 1 + u rounds
+    to 1: the conversion once returned ε = 0 there (log(1 − 1/α) = −inf), a privacy breach.
+    Reference: the Canonne–Kamath–Steinke bound minimised in mpmath at 60 digits."""
+    import mpmath as mp
+
+    mp.mp.dps = 60
+    cm, ld = mp.mpf(c), mp.log(mp.mpf("1e-5"))
+
+    def eps(u):
+        return cm * (1 + u) + mp.log(u) - mp.log1p(u) - (ld + mp.log1p(u)) / u
+
+    u0 = mp.sqrt(-ld / cm)
+    ref = min(eps(u0 * f) for f in (mp.mpf(1) / 4, mp.mpf(1) / 2, 1, 2, 4))
+    got = float(I.linear_rdp_epsilon(c, 1e-5))
+    assert got >= float(ref) * (1 - 1e-12)
+    assert got == pytest.approx(float(ref), rel=1e-9)
+
+
+def test_pnsgd_privacy_tiny_noise_is_not_private():
+    from jaxdp.accounting import pnsgd_privacy
+
+    r = pnsgd_privacy(lipschitz=1.0, smoothness=1.0, learning_rate=0.5, noise_std=1e-18, diameter=1.0,
+                      num_records=100, delta=1e-5, positions=np.array([1, 50, 100]))
+    for name, v in r._asdict().items():
+        if name != "positions":
+            assert np.all(np.asarray(v) > 1e30), name  # 2L²/(b²σ²) ≈ 2e36 per step
+
+
 def test_linear_delta_prop1():
     for eps, k, want in [(0.5, 1 / 78, 0.00977228), (1.0, 1 / 78, 5.58487e-9), (1.0, 0.025, 7.43855e-5), (2.0, 0.5, 0.324652), (5.0, 2.0, 0.324652)]:
         assert float(I.linear_rdp_delta(eps, k)) == pytest.approx(want, rel=1e-5)
