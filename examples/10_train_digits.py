@@ -1,7 +1,7 @@
 """Train softmax regression on the bundled digits with PNSGD; report ε per record position.
 
 What you should see (full run, about 15 s on a 2-core CPU): test accuracy about 84 %, and
-ε per record position (δ = 1e-5) of about 3.0 / 3.2 / 5.8 (best / median / worst) under
+ε per record position (δ = 1e-5) of about 2.8 / 2.9 / 5.3 (best / median / worst) under
 amplification by iteration, against 17.9 for every record under composition, i.e. if the
 intermediate iterates were released. Then, at ε ≤ 1 for every record: logistic regression
 on odd vs even digits (b = 64, ν = 6, η = 0.1, R = 10, 20 passes) reaches about 77 % with

@@ -285,7 +285,7 @@ def dpsbcd_epsilon(delta, noise_temperature, *, learning_rate, sensitivity, cont
       >>> 0.0 < float(e) < 1.0
       True
     """
-    _validate.check_in_range("delta", delta, 0.0, 1.0, lo_open=True, hi_open=True)
+    _validate.check_delta(delta)
     curve = dpsbcd_rdp(orders, noise_temperature, learning_rate=learning_rate, sensitivity=sensitivity,
                        contraction=contraction, prox_lipschitz=prox_lipschitz, num_records=num_records,
                        batch_size=batch_size)

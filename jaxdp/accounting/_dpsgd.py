@@ -177,7 +177,7 @@ def calibrate_noise_multiplier(
     _validate.check_in_range("target_epsilon", target_epsilon, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("q", q, 0.0, 1.0)
     _validate.check_in_range("num_steps", num_steps, 0.0, math.inf)
-    _validate.check_in_range("delta", delta, 0.0, 1.0, lo_open=True, hi_open=True)
+    _validate.check_delta(delta)
     lo_s, hi_s = noise_multiplier_bounds
     if not (0 < lo_s < hi_s < math.inf):
         raise ValueError(

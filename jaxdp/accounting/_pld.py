@@ -651,7 +651,7 @@ def pld_epsilon(event, delta, *, grid_size: int = PLD_GRID_SIZE, tail_bound: flo
       4.377
     """
     _check_options(grid_size, tail_bound, estimate)
-    _validate.check_in_range("delta", delta, 0.0, 1.0, lo_open=True, hi_open=True)
+    _validate.check_delta(delta)
     out = _evaluate(event, delta, int(grid_size), float(tail_bound), estimate, "epsilon")
     _refuse_uncertified(out, delta)
     return out
@@ -739,8 +739,9 @@ def calibrate_pld_noise_multiplier(target_epsilon, q, num_steps, delta, *, grid_
         give σ within 6e-8 relative of the grid's threshold.
 
     Returns:
-      ``CalibrationResult(noise_multiplier, epsilon)``, float64, broadcast shape; the
-      ε is the PLD upper bound at the returned σ.
+      ``CalibrationResult(noise_multiplier, epsilon, at_lower_bound)``, float64 (and a
+      boolean flag), broadcast shape; the ε is the PLD upper bound at the returned σ;
+      ``at_lower_bound`` is true where the target is met at the lower end of the search.
 
     Examples:
       >>> import jaxdp
@@ -753,7 +754,7 @@ def calibrate_pld_noise_multiplier(target_epsilon, q, num_steps, delta, *, grid_
     _validate.check_in_range("target_epsilon", target_epsilon, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("q", q, 0.0, 1.0)
     _validate.check_in_range("num_steps", num_steps, 0.0, math.inf)
-    _validate.check_in_range("delta", delta, 0.0, 1.0, lo_open=True, hi_open=True)
+    _validate.check_delta(delta)
     if int(solver_iterations) < 1:
         raise ValueError(f"solver_iterations must be >= 1; got {solver_iterations!r}.")
     target, q, steps, delta = (f64(x) for x in (target_epsilon, q, num_steps, delta))
@@ -779,7 +780,10 @@ def _calibrate_core(target, q, steps, delta, grid_size, tail_bound, iterations):
     eps = jnp.where(found, fn(x_s, q, steps, delta), rdp.epsilon)
     sigma = jnp.where(ok, sigma, rdp.noise_multiplier)
     eps = jnp.where(ok, eps, rdp.epsilon)
-    return CalibrationResult(sigma, eps)
+    # The target already met at the lower end of a search (RDP's range, or the PLD bracket
+    # below the RDP answer): the σ returned is that end, not the smallest σ that meets it.
+    at_low = rdp.at_lower_bound | (ok & found & (x_s <= hi - 1.0))
+    return CalibrationResult(sigma, eps, at_low)
 
 
 # =======================================================================================

@@ -7,7 +7,7 @@ versus composition (every iterate released), then writes a plot of ε against po
 
 The defaults (softmax regression on digits, η = 1, ν = 1, b = 64, 10 passes, R = 30) were
 tuned on the 2-core development machine: about 84 % test accuracy with ε best / median /
-worst ≈ 3.0 / 3.2 / 5.8 per record at δ = 1e-5 (composition: 17.9), in ~15 s.
+worst ≈ 2.8 / 2.9 / 5.3 per record at δ = 1e-5 (composition: 17.9), in ~15 s.
 """
 
 from __future__ import annotations

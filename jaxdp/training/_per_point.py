@@ -401,7 +401,7 @@ def per_point_privacy(norms: CheckpointNorms, *, delta: float | None = None, ord
 
     ledger = norms.ledger
     delta = float(ledger.delta if delta is None else delta)
-    _validate.check_in_range("delta", delta, 0.0, 1.0, lo_open=True, hi_open=True)
+    _validate.check_delta(delta)
     chunk_size = _check_chunk_size(chunk_size)
     orders_np = np.asarray(acc.PER_INSTANCE_ORDERS if orders is None else orders, np.float64)
     n = int(ledger.steps_done)

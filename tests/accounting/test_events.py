@@ -281,7 +281,7 @@ def test_bad_static_fields_and_arguments():
     with pytest.raises(ValueError, match="epsilon"):
         A.delta(A.Gaussian(1.0), -1.0)
     with pytest.raises(ValueError, match="accountant"):
-        A.epsilon(A.Gaussian(1.0), DELTA, accountant="pld")
+        A.epsilon(A.Gaussian(1.0), DELTA, accountant="prv")  # not registered
     with pytest.raises(TypeError):
         A.epsilon(1.0, DELTA)
 
