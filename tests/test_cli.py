@@ -329,3 +329,19 @@ def test_calibrate_says_when_the_target_is_met_at_the_lower_bound(capsys):
     assert main(argv + ["--json"]) == 0
     payload = json.loads(capsys.readouterr().out)
     assert payload["at_lower_bound"] is True and payload["noise_multiplier"] == 0.05
+
+
+@pytest.mark.slow  # compiles the PLD calibration (about a minute); the PLD accountant has its own tests
+def test_calibrate_with_the_pld_accountant(capsys):
+    """Independent reference: dp_accounting's PLD accountant at the returned noise multiplier."""
+    from dp_accounting import dp_event, pld
+
+    argv = ["calibrate", "--epsilon", "1", "--q", str(256 / 60000), "--num-steps", "14040", "--delta", "1e-5", "--json"]
+    assert main(argv) == 0
+    rdp = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--accountant", "pld"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["accountant"] == "pld" and got["epsilon"] <= 1.0 and got["noise_multiplier"] < rdp["noise_multiplier"]
+    acc = pld.PLDAccountant(value_discretization_interval=1e-4)
+    acc.compose(dp_event.PoissonSampledDpEvent(256 / 60000, dp_event.GaussianDpEvent(got["noise_multiplier"])), 14040)
+    assert acc.get_epsilon(1e-5) <= 1.0 * (1 + 5e-3)
