@@ -122,6 +122,7 @@ def calibrate_noise_multiplier(
     method: str = "improved",
     noise_multiplier_bounds: tuple[float, float] = (0.05, 1.0e4),
     solver_iterations: int = 32,
+    accountant: str = "rdp",
 ) -> CalibrationResult:
     r"""Smallest noise multiplier σ whose DP-SGD ε is at most ``target_epsilon``.
 
@@ -163,6 +164,10 @@ def calibrate_noise_multiplier(
       orders, method: as in :func:`dpsgd_epsilon`.
       noise_multiplier_bounds: search bracket (static), 0 < low < high.
       solver_iterations: search steps after the two end evaluations (static).
+      accountant: ``"rdp"`` (default, this function's search) or ``"pld"``: calibrate
+        with the privacy loss distribution's certified upper bound instead
+        (:func:`calibrate_pld_noise_multiplier` at its default grid; ``orders``, ``method``,
+        ``noise_multiplier_bounds`` and ``solver_iterations`` are then not used).
 
     Returns:
       ``CalibrationResult(noise_multiplier, epsilon, at_lower_bound)``: σ and ε float64,
@@ -174,6 +179,11 @@ def calibrate_noise_multiplier(
       >>> float(r.epsilon) <= 1.0, round(float(r.noise_multiplier), 3), bool(r.at_lower_bound)
       (True, 2.178, False)
     """
+    _validate.check_static_choice("accountant", accountant, ("rdp", "pld"))
+    if accountant == "pld":
+        from ._pld import calibrate_pld_noise_multiplier
+
+        return calibrate_pld_noise_multiplier(target_epsilon, q, num_steps, delta)
     _validate.check_in_range("target_epsilon", target_epsilon, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("q", q, 0.0, 1.0)
     _validate.check_in_range("num_steps", num_steps, 0.0, math.inf)

@@ -27,7 +27,7 @@ def run(args) -> int:
 
     pld = getattr(args, "accountant", "rdp") == "pld"
     if pld:
-        res = A.calibrate_pld_noise_multiplier(args.epsilon, args.q, args.num_steps, args.delta)
+        res = A.calibrate_noise_multiplier(args.epsilon, args.q, args.num_steps, args.delta, accountant="pld")
     else:
         res = A.calibrate_noise_multiplier(args.epsilon, args.q, args.num_steps, args.delta, orders=orders(args),
                                            method=args.method)

@@ -101,7 +101,12 @@ def _check_against_dp_accounting(q, sigma, steps, delta):
     for i in range(len(q)):
         ref = _dp_accounting_epsilon(q[i], sigma[i], steps[i], delta[i])
         cfg = (q[i], sigma[i], steps[i], delta[i])
-        assert ours[i] >= ref * (1 - REL_BELOW_DP_ACCOUNTING), (cfg, ours[i], ref)
+        if ours[i] < ref * (1 - REL_BELOW_DP_ACCOUNTING):
+            # At small epsilon the reference's own discretisation (interval 1e-4, rounded up)
+            # exceeds the relative tolerance: compare with its finer pessimistic estimate,
+            # still an upper bound on the true epsilon (e.g. 0.028878 at 1e-4, 0.028838 at 1e-5).
+            ref_fine = _dp_accounting_epsilon(*cfg, interval=1e-5)
+            assert ours[i] >= ref_fine * (1 - REL_BELOW_DP_ACCOUNTING), (cfg, ours[i], ref, ref_fine)
         assert ours[i] <= ref * (1 + REL_VS_DP_ACCOUNTING), (cfg, ours[i], ref)
         assert ours[i] <= rdp[i] * (1 + REL_VS_DP_ACCOUNTING), (cfg, ours[i], rdp[i])
 
@@ -192,3 +197,15 @@ def test_calibration_meets_target_and_beats_rdp():
     assert check <= 1.0
     # dp_accounting's PLD calibration (anchors: σ = 2.0252 at ε = 1, discretisation 1e-4).
     assert float(r.noise_multiplier) == pytest.approx(2.0252, rel=5e-3)
+
+
+def test_calibrate_noise_multiplier_accountant_option():
+    with pytest.raises(ValueError, match="accountant must be one of 'rdp', 'pld'"):
+        A.calibrate_noise_multiplier(1.0, 0.01, 100, 1e-5, accountant="prv")
+
+
+@pytest.mark.slow  # compiles the PLD calibration; test_calibration_meets_target_and_beats_rdp checks it
+def test_calibrate_noise_multiplier_with_pld_is_the_pld_calibration():
+    a = A.calibrate_noise_multiplier(1.0, 256 / 60000, 14040, 1e-5, accountant="pld")
+    b = A.calibrate_pld_noise_multiplier(1.0, 256 / 60000, 14040, 1e-5)
+    assert float(a.noise_multiplier) == float(b.noise_multiplier) and float(a.epsilon) <= 1.0
