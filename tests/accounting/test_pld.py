@@ -161,6 +161,20 @@ def test_jit_vmap_grad():
     assert g < 0 and abs(g - fd) <= 1e-3 * abs(fd), (g, fd)
 
 
+def test_x64_off_vmap_jit_and_grad_jit():
+    """With the global flag off (JAX's default) the user's arrays are float32: vmap(jit(f))
+    and grad(jit(f)) run, values are float64 and equal the x64-on values at the float32 inputs."""
+    xs = np.array([1.3, 1.6], np.float32)
+    want = [float(A.pld_epsilon(A.dpsgd_event(0.01, float(x), 1000), 1e-5, grid_size=SMALL)) for x in xs]
+    with jax.enable_x64(False):
+        f = lambda s: A.pld_epsilon(A.dpsgd_event(0.01, s, 1000), 1e-5, grid_size=SMALL)  # noqa: E731
+        out = jax.vmap(jax.jit(f))(jnp.asarray(xs))
+        g = jax.grad(jax.jit(f))(jnp.float32(1.3))
+    assert out.dtype == jnp.float64 and g.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out), want, rtol=RTOL_FORMS)
+    assert float(g) < 0
+
+
 def test_uncertifiable_delta_raises_eagerly_and_is_inf_under_jit():
     ev = A.dpsgd_event(0.5, 0.3, 10000)
     with pytest.raises(ValueError, match="cannot certify"):
