@@ -125,16 +125,11 @@ def _clipped_mean_grad(x, r, clip_norm, sign):
 
 
 def _power_rescale(w, u, rho, iterations):
+    """Eq. 2 rescale W·min(ρ/λ̃, 1), λ̃ from the layers' own power iteration (carried u)."""
+    from ..models._lipschitz import _power_iteration
+
     tiny = jnp.finfo(w.dtype).tiny
-
-    def body(_, u):
-        v = u @ w
-        v = v / jnp.maximum(jnp.linalg.norm(v), tiny)
-        u = w @ v
-        return u / jnp.maximum(jnp.linalg.norm(u), tiny)
-
-    u = jax.lax.fori_loop(0, iterations, body, u)
-    lam = jnp.linalg.norm(u @ w)
+    lam, u = _power_iteration(w, u, int(iterations))
     return w * jnp.minimum(rho / jnp.maximum(lam, tiny), 1.0).astype(w.dtype), u
 
 
