@@ -92,3 +92,10 @@ from ._dpsbcd import DPSBCDResult as DPSBCDResult  # noqa: E402
 from ._dpsbcd import train_dpsbcd as train_dpsbcd  # noqa: E402
 
 __all__ += ["DPSBCDResult", "train_dpsbcd"]
+
+# Data parallelism over devices (jax.sharding): the batch split, the noise drawn once.
+from ._parallel import data_parallel_mesh as data_parallel_mesh  # noqa: E402
+from ._parallel import parallel_clipped_grad_sum as parallel_clipped_grad_sum  # noqa: E402
+from ._parallel import replicate as replicate  # noqa: E402
+
+__all__ += ["data_parallel_mesh", "parallel_clipped_grad_sum", "replicate"]

@@ -177,7 +177,7 @@ class DPSGDStepOutput(NamedTuple):
 
 def dpsgd_step(loss_fn, graphdef, rest, tx: optax.GradientTransformation, params: Any, opt_state: Any,
                sample_key: jax.Array, x: jax.Array, y: jax.Array, q, clip_norm, capacity: int, *,
-               use_fast_path: bool | None = None):
+               use_fast_path: bool | None = None, mesh=None):
     r"""One DP-SGD step on the whole training set ``(x, y)``: sample, clip, sum, update.
 
     Pure and jittable (``capacity`` is static); scan it over steps. The Poisson sample comes
@@ -186,11 +186,25 @@ def dpsgd_step(loss_fn, graphdef, rest, tx: optax.GradientTransformation, params
     (padding rows are masked out); ``tx`` (from :func:`dpsgd`) adds the noise and applies
     the optimizer.
 
+    With ``mesh`` (a ``jax.sharding.Mesh`` with a ``"data"`` axis,
+    :func:`~jaxdp.training.data_parallel_mesh`), each chunk's rows are split over the
+    devices (:func:`~jaxdp.training.parallel_clipped_grad_sum`): the capacity is rounded up
+    to a multiple of the device count (extra rows are masked padding, never sampled: the
+    sample and the guarantee are unchanged) and the partial sums are added by a ``psum``;
+    ``tx`` then adds the noise **once** to the global sum, from its replicated key (the
+    same draw as on one device). Pass replicated ``params``/``opt_state``/``x``/``y``
+    (:func:`~jaxdp.training.replicate`).
+
     Returns:
       ``(params, opt_state, DPSGDStepOutput)``.
     """
     from flax import nnx
 
+    if mesh is not None:
+        from ._parallel import AXIS
+
+        devices = mesh.shape[AXIS]
+        capacity = -(-int(capacity) // devices) * devices
     n = x.shape[0]
     indices, size = poisson_sample(sample_key, n, q)
     padded = jnp.concatenate([indices, jnp.zeros((capacity,), indices.dtype)])
@@ -201,7 +215,13 @@ def dpsgd_step(loss_fn, graphdef, rest, tx: optax.GradientTransformation, params
         k, acc, maxn = carry
         idx = jax.lax.dynamic_slice(padded, (k * capacity,), (capacity,))
         valid = k * capacity + jnp.arange(capacity) < size
-        cg = clipped_grad_sum(loss_fn, model, (x[idx], y[idx]), clip_norm, mask=valid, use_fast_path=use_fast_path)
+        if mesh is None:
+            cg = clipped_grad_sum(loss_fn, model, (x[idx], y[idx]), clip_norm, mask=valid, use_fast_path=use_fast_path)
+        else:
+            from ._parallel import parallel_clipped_grad_sum
+
+            cg = parallel_clipped_grad_sum(loss_fn, model, (x[idx], y[idx]), clip_norm, mesh, mask=valid,
+                                           use_fast_path=use_fast_path)
         acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, cg.grad_sum)
         maxn = jnp.maximum(maxn, jnp.max(jnp.where(valid, cg.norms, 0.0)).astype(maxn.dtype))
         return k + 1, acc, maxn

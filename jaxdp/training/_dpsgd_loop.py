@@ -35,7 +35,7 @@ _FORMAT = 1
 
 def train_dpsgd(model, x, y, x_test, y_test, *, loss_fn, learning_rate, optimizer, noise_multiplier, clip_norm,
                 batch_size, passes, delta, order_seed, noise_seed, steps_per_call, checkpoint_dir,
-                checkpoint_every, resume, progress, account, callback, use_fast_path, fingerprint):
+                checkpoint_every, resume, progress, account, callback, use_fast_path, fingerprint, mesh=None):
     """Run DP-SGD; arguments as validated by :func:`jaxdp.training.train`."""
     from ._loop import TrainState, _finish, _open_checkpoints, _resume, _secret_key, _to_arrays
 
@@ -78,7 +78,12 @@ def train_dpsgd(model, x, y, x_test, y_test, *, loss_fn, learning_rate, optimize
 
     if noise_seed is not None:
         warnings.warn(f"noise_seed is fixed: {NOT_PRIVATE}.", UserWarning, stacklevel=3)
-    k_noise, k_sample = jax.random.split(_secret_key(noise_seed))
+    secret = _secret_key(noise_seed)
+    if mesh is not None:
+        from ._parallel import _same_secret_on_all_processes
+
+        secret = _same_secret_on_all_processes(secret)
+    k_noise, k_sample = jax.random.split(secret)
     tx = dpsgd(optimizer, float(noise_multiplier), float(clip_norm), float(batch_size), k_noise)
     reason = (f"Poisson sampling q={q:.6g} (expected batch {batch_size} of {n}), per-example clipping at "
               f"C={float(clip_norm):g}, Gaussian noise nu*C on the sum (nu={float(noise_multiplier):g}), add/remove "
@@ -99,12 +104,16 @@ def train_dpsgd(model, x, y, x_test, y_test, *, loss_fn, learning_rate, optimize
     pdtype = jnp.result_type(*jax.tree.leaves(params0))
     X = jnp.asarray(x, dtype=pdtype)
     Y = jnp.asarray(y)
+    if mesh is not None:  # data parallel: all replicated; the step splits each chunk's rows
+        from ._parallel import _replicate_state, replicate
+
+        state, (X, Y), rest = _replicate_state(state, mesh), replicate((X, Y), mesh), replicate(rest, mesh)
 
     def one(carry):
         params, opt_state, step, maxn, key = carry
         key, k_step = jax.random.split(key)
         params, opt_state, out = dpsgd_step(loss_fn, graphdef, rest, tx, params, opt_state, k_step, X, Y, q,
-                                            float(clip_norm), capacity, use_fast_path=use_fast_path)
+                                            float(clip_norm), capacity, use_fast_path=use_fast_path, mesh=mesh)
         return params, opt_state, step + 1, jnp.maximum(maxn, out.max_grad_norm), key
 
     run_one = jax.jit(one)

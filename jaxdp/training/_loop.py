@@ -275,17 +275,24 @@ def _like_arrays(state: TrainState) -> dict[str, np.ndarray]:
 # ----------------------------------------------------------------------------------------
 
 
-def _make_step(graphdef, rest, loss_fn, tx, clip_norm, use_fast_path=None):
+def _make_step(graphdef, rest, loss_fn, tx, clip_norm, use_fast_path=None, mesh=None):
     """The PNSGD step ``(carry, xb, yb, count) -> carry`` that :func:`train` scans.
 
     ``carry = (params, opt_state, step, max_grad_norm, clipped)``; ``count`` is the number
-    of examples averaged (the batch size, or the last batch's). Traceable; jit it.
+    of examples averaged (the batch size, or the last batch's). Traceable; jit it. With a
+    ``mesh``, the batch rows are split over its ``"data"`` axis
+    (:func:`~jaxdp.training.parallel_clipped_grad_sum`); ``tx`` adds the noise once to the sum.
     """
 
     def one_step(carry, xb, yb, count):
         params, opt_state, step, maxn, clipped = carry
         m = nnx.merge(graphdef, params, rest)
-        cg = clipped_grad_sum(loss_fn, m, (xb, yb), clip_norm, use_fast_path=use_fast_path)
+        if mesh is None:
+            cg = clipped_grad_sum(loss_fn, m, (xb, yb), clip_norm, use_fast_path=use_fast_path)
+        else:
+            from ._parallel import parallel_clipped_grad_sum
+
+            cg = parallel_clipped_grad_sum(loss_fn, m, (xb, yb), clip_norm, mesh, use_fast_path=use_fast_path)
         g = jax.tree.map(lambda s: s / jnp.asarray(count, s.dtype), cg.grad_sum)
         updates, opt_state = tx.update(g, opt_state, params)
         params = optax.apply_updates(params, updates)
@@ -327,6 +334,7 @@ def train(
     account: bool = True,
     callback: Callable[[TrainState], None] | None = None,
     use_fast_path: bool | None = None,
+    devices=None,
 ) -> TrainResult:
     r"""Train ``model`` privately, by PNSGD (hidden-state, per-record ε) or DP-SGD, and account ε.
 
@@ -453,6 +461,15 @@ def train(
       callback: called with the :class:`TrainState` after every jitted call (and
         checkpoint).
       use_fast_path: passed to :func:`~jaxdp.training.clipped_grad_sum`.
+      devices: ``None`` (default): one device, as JAX places it. Otherwise data parallelism
+        (:func:`~jaxdp.training.data_parallel_mesh`: an integer :math:`k` for the first
+        :math:`k` devices, a sequence of devices, or a ``Mesh`` with a ``"data"`` axis):
+        parameters, optimizer state, keys and the training set are replicated, each
+        batch's rows are split over the devices for the per-example clipped gradients,
+        whose sums are added by a ``psum``; the noise is drawn **once** for the global batch
+        from the one replicated key (the same draw as on one device), so the guarantee and
+        the ledger are unchanged and the result equals the one-device run up to float
+        rounding. Multi-host: README, "Multiple devices and hosts".
 
     Returns:
       :class:`TrainResult`.
@@ -514,12 +531,22 @@ def train(
         if value is not None:
             _validate.check_in_range(name, value, 0.0, math.inf, lo_open=True)
 
+    mesh = None
+    if devices is not None:
+        from ._parallel import _check_same_data, data_parallel_mesh
+
+        mesh = data_parallel_mesh(devices)
+        if checkpoint_dir is not None and jax.process_count() > 1:
+            raise ValueError("checkpoint_dir is not supported with several processes (jax.distributed): "
+                             "checkpoint from one-process runs.")
     x, y, x_test, y_test, x_bound, _ = _unpack_data(data)
     x = np.asarray(x)
     y = np.asarray(y)
     _check_features(x)
     if y.shape != (x.shape[0],):
         raise ValueError(f"y must have shape ({x.shape[0]},), one label per example; got {y.shape}.")
+    if mesh is not None:
+        _check_same_data(_fingerprint(x, y))
 
     if algorithm == "dpsgd":
         from ._dpsgd_loop import train_dpsgd
@@ -538,7 +565,8 @@ def train(
             optimizer=optimizer, noise_multiplier=noise_multiplier, clip_norm=clip_norm, batch_size=batch_size,
             passes=passes, delta=delta, order_seed=order_seed, noise_seed=noise_seed, steps_per_call=steps_per_call,
             checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume, progress=progress,
-            account=account, callback=callback, use_fast_path=use_fast_path, fingerprint=_fingerprint(x, y))
+            account=account, callback=callback, use_fast_path=use_fast_path, fingerprint=_fingerprint(x, y),
+            mesh=mesh)
     # ---------------- planning: which analysis, and why (jaxdp.training.plan_privacy) ----------------
     pp = _plan_privacy(model, x, x_bound, learning_rate=learning_rate, radius=radius, batch_size=batch_size,
                        passes=passes, schedule=schedule, drop_remainder=drop_remainder, loss_fn=loss_fn,
@@ -589,7 +617,12 @@ def train(
     order = jax.random.permutation(jax.random.key(int(order_seed)), plan.n_total).astype(jnp.int32)
     if noise_seed is not None:
         warnings.warn(f"noise_seed is fixed: {NOT_PRIVATE}.", UserWarning, stacklevel=2)
-    k_noise, k_stop = jax.random.split(_secret_key(noise_seed))
+    secret = _secret_key(noise_seed)
+    if mesh is not None:
+        from ._parallel import _same_secret_on_all_processes
+
+        secret = _same_secret_on_all_processes(secret)
+    k_noise, k_stop = jax.random.split(secret)
     if schedule == "random_stop":
         total = int(jax.random.randint(k_stop, (), 1, plan.steps_per_pass + 1))
     else:
@@ -622,8 +655,12 @@ def train(
     X = jnp.asarray(x, dtype=pdtype)
     Y = jnp.asarray(y)
     b = batch_size
+    if mesh is not None:  # data parallel: all replicated; the step splits each batch's rows
+        from ._parallel import _replicate_state, replicate
 
-    one_step = _make_step(graphdef, rest, loss_fn, tx, clip_norm, use_fast_path)
+        state, (X, Y), rest = _replicate_state(state, mesh), replicate((X, Y), mesh), replicate(rest, mesh)
+
+    one_step = _make_step(graphdef, rest, loss_fn, tx, clip_norm, use_fast_path, mesh)
 
     def run_full(carry, order, first_batch, length):
         def body(c, j):
