@@ -29,6 +29,7 @@ import numpy as np
 
 from .. import _validate
 from .._numerics import f64, float64
+from ._host import DOWN, NEAREST, UP, on_host_when_x64_off
 
 __all__ = ["EpsilonLowerBound", "clopper_pearson", "epsilon_lower_bound"]
 
@@ -70,6 +71,7 @@ def _clopper_pearson(k, n, tail):
     return lower, upper
 
 
+@on_host_when_x64_off(DOWN, UP)
 @float64
 def clopper_pearson(successes, trials, confidence=0.95):
     r"""Two-sided Clopper–Pearson (exact binomial) confidence interval for a rate.
@@ -165,6 +167,7 @@ def _candidates(sorted_in, sorted_out):
     return jnp.concatenate([top, bottom])
 
 
+@on_host_when_x64_off(DOWN, NEAREST, DOWN, UP)
 @float64
 def epsilon_lower_bound(scores_in, scores_out, delta, confidence=0.95, *, thresholds=None) -> EpsilonLowerBound:
     r"""Empirical lower bound on ε from scores of runs with and without the canary.

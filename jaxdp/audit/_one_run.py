@@ -25,6 +25,7 @@ import numpy as np
 
 from .. import _validate
 from .._numerics import f64, float64
+from ._host import DOWN, UP, on_host_when_x64_off
 
 __all__ = ["OneRunLowerBound", "one_run_audit", "one_run_epsilon_lower_bound", "one_run_p_value"]
 
@@ -76,6 +77,7 @@ def _check_counts(num_canaries, num_guesses, num_correct) -> None:
             raise ValueError(f"num_correct must be at most num_guesses; got {num_correct!r} > {num_guesses!r}.")
 
 
+@on_host_when_x64_off(UP)
 @float64
 def one_run_p_value(epsilon, num_canaries: int, num_guesses, num_correct, delta=0.0):
     r"""Probability of at least ``num_correct`` right guesses if the run is (ε, δ)-DP.
@@ -129,6 +131,7 @@ def _epsilon_at_level(num_canaries, r, v, delta, level):
     return lo
 
 
+@on_host_when_x64_off(DOWN)
 @float64
 def one_run_epsilon_lower_bound(num_canaries: int, num_guesses, num_correct, delta=0.0, confidence=0.95):
     r"""Largest ε that the observed guesses reject: a lower bound on ε with the given confidence.
