@@ -188,7 +188,7 @@ def pnsgd_scores(positions, num_records: int, learning_rate, noise_multiplier, c
     Examples:
       >>> import jax
       >>> s_in, s_out = pnsgd_scores([1, 4], 4, 0.5, 0.5, 1.0, 1.0, 1000, key=jax.random.key(0))
-      >>> s_in.shape, bool(abs(s_in).max() <= 1.0)  # iterates stay in the ball of radius 1
+      >>> s_in.shape, bool(abs(s_in).max() <= 1.0 + 1e-6)  # in the ball of radius 1 (float32 rounding)
       ((2, 1000), True)
     """
     from .. import training as T
