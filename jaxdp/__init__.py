@@ -5,8 +5,9 @@ Subpackages:
   training    optax transformations for projected noisy SGD, clipping (flax/optax)
   models      Flax NNX models (convex models with their Lipschitz and smoothness constants)
   data        bundled and local data sets (no downloads)
+  audit       empirical lower bounds on epsilon (distinguishing experiments, one-run auditing)
 
-``training``, ``models`` and ``data`` import flax/optax/scikit-learn, so they load on
+``training``, ``models`` and ``data`` import flax/optax/scikit-learn, so they (and ``audit``) load on
 first use (``jaxdp.training`` works as an attribute); the command line stays fast.
 """
 
@@ -15,9 +16,9 @@ import importlib as _importlib
 from . import accounting as accounting
 
 __version__ = "0.1.0"
-__all__ = ["accounting", "data", "models", "training", "__version__"]
+__all__ = ["accounting", "audit", "data", "models", "training", "__version__"]
 
-_LAZY = ("training", "models", "data")
+_LAZY = ("training", "models", "data", "audit")
 
 
 def __getattr__(name):

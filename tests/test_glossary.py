@@ -10,7 +10,7 @@ import inspect
 
 import pytest
 
-MODULES = ("jaxdp.accounting", "jaxdp.training", "jaxdp.models", "jaxdp.data", "jaxdp.interop")
+MODULES = ("jaxdp.accounting", "jaxdp.training", "jaxdp.models", "jaxdp.data", "jaxdp.interop", "jaxdp.audit")
 
 # The README glossary (section "Names and units"), as parameter names.
 GLOSSARY = {
@@ -37,6 +37,9 @@ GLOSSARY = {
     "key", "order_seed", "noise_seed", "seed",
     # PLD accounting: static grid options
     "grid_size", "tail_bound", "estimate",
+    # empirical auditing (jaxdp.audit)
+    "scores_in", "scores_out", "scores", "included", "confidence", "thresholds", "successes", "trials",
+    "num_canaries", "num_guesses", "num_correct",
 }
 
 # Names that would be a second name for a glossary quantity.

@@ -14,3 +14,14 @@ def test_accounting_all_is_public_and_complete():
 
 def test_version():
     assert isinstance(jaxdp.__version__, str)
+
+
+def test_audit_all_is_public_and_complete():
+    import jaxdp.audit as au
+
+    for name in au.__all__:
+        assert hasattr(au, name), name
+        assert not name.startswith("_")
+    public = {n for n in dir(au) if not n.startswith("_") and n not in {"annotations"}}
+    modules = {n for n in public if type(getattr(au, n)).__name__ == "module"}
+    assert public - modules <= set(au.__all__)

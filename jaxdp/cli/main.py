@@ -12,10 +12,10 @@ import os
 import sys
 from collections.abc import Sequence
 
-from . import calibrate, epsilon, grid, per_instance, pnsgd, train
+from . import audit, calibrate, epsilon, grid, per_instance, pnsgd, train
 from ._common import Parser, error, option_message
 
-SUBCOMMANDS = (epsilon, calibrate, grid, pnsgd, train, per_instance)
+SUBCOMMANDS = (epsilon, calibrate, grid, pnsgd, train, per_instance, audit)
 
 
 def build_parser() -> Parser:

@@ -1,0 +1,147 @@
+"""``jaxdp audit``: empirical lower bounds on ε next to the accountants' claims.
+
+For each setting it prints the claimed ε (the accountant's upper bound), the audit's lower
+bound (valid with ``--confidence``) and their ratio, writes ``audit.csv`` and then, last,
+the plot ``audit.png`` (a failed plot never loses the results). The randomness is the
+simulation's own (no real data is involved); ``--seed`` makes a run reproducible.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from ._common import UsageError, emit, fmt, number
+
+SETTINGS = ("gaussian", "sampled_gaussian", "pnsgd", "dpsgd", "dpsgd_one_run")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("audit", help="empirical lower bounds on epsilon against the accountants' claims",
+                       description="Simulate mechanisms with and without a canary (vmapped over runs) and print, "
+                                   "per setting, the claimed epsilon, the empirical lower bound (Clopper-Pearson, "
+                                   "or one-run auditing for dpsgd_one_run) and their ratio; write audit.csv and "
+                                   "audit.png. A lower bound above a claim means the claim is wrong.")
+    p.add_argument("--settings", default=",".join(SETTINGS),
+                   help=f"comma-separated subset of {', '.join(SETTINGS)} (default: all)")
+    p.add_argument("--runs", type=int, default=20_000, help="runs per side of each experiment (default 20000)")
+    p.add_argument("--num-canaries", type=int, default=1000, help="canaries of the one-run audit (default 1000)")
+    p.add_argument("--confidence", type=number("--confidence"), default=0.95, help="confidence in (0, 1)")
+    p.add_argument("--delta", type=number("--delta"), default=1e-5, help="delta in (0, 1) (default 1e-5)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the simulation (default: fresh OS entropy; the audit has no real data to protect)")
+    p.add_argument("--out", default="jaxdp_audit", help="output folder (default: ./jaxdp_audit)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.set_defaults(func=run)
+
+
+def _settings(text: str) -> list[str]:
+    picked = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in picked if s not in SETTINGS]
+    if not picked or bad:
+        raise UsageError(f"--settings must name some of {', '.join(SETTINGS)}; got {text!r}")
+    return picked
+
+
+def run(args) -> int:
+    import jax
+
+    picked = _settings(args.settings)
+    if args.runs < 2:
+        raise UsageError(f"--runs must be an integer >= 2; got {args.runs}")
+    if args.num_canaries < 10:
+        raise UsageError(f"--num-canaries must be an integer >= 10; got {args.num_canaries}")
+    if not 0.0 < args.confidence < 1.0:
+        raise UsageError(f"--confidence must be in (0, 1); got {args.confidence:g}")
+    if not 0.0 < args.delta < 1.0:
+        raise UsageError(f"--delta must be in (0, 1); got {args.delta:g}")
+    try:  # check the output folder before the work, not after
+        os.makedirs(args.out, exist_ok=True)
+        if not os.access(args.out, os.W_OK):
+            raise OSError("not writable")
+    except OSError as exc:
+        raise UsageError(f"--out cannot write to {args.out!r}: {exc}") from None
+
+    from .. import audit
+
+    if args.seed is None:  # each driver draws a fresh key from the OS entropy
+        keys = dict.fromkeys(SETTINGS)
+    else:
+        keys = dict(zip(SETTINGS, jax.random.split(jax.random.key(args.seed), len(SETTINGS))))
+    d, c, runs = args.delta, args.confidence, args.runs
+    rows = []  # (setting, parameters, claimed, lower, ratio)
+    for name in picked:
+        k = keys[name]
+        if name == "gaussian":
+            r = audit.audit_gaussian(1.0, d, runs=runs, confidence=c, key=k)
+            rows.append((name, "noise_multiplier=1", r))
+        elif name == "sampled_gaussian":
+            r = audit.audit_gaussian(1.0, d, q=0.5, num_steps=4, runs=runs, confidence=c, key=k)
+            rows.append((name, "q=0.5 noise_multiplier=1 num_steps=4", r))
+        elif name == "pnsgd":
+            r = audit.audit_pnsgd([1, 3, 6], 6, 0.5, 0.5, 1.0, 1.0, d, runs=runs, confidence=c, key=k)
+            for i, pos in enumerate((1, 3, 6)):
+                rows.append((name, f"position={pos} of 6 learning_rate=0.5 noise_multiplier=0.5 radius=1",
+                             audit.AuditResult(r.claimed_epsilon[i], r.lower_bound[i], r.ratio[i])))
+        elif name == "dpsgd":
+            r = audit.audit_dpsgd(0.5, 1.0, 4, d, runs=runs, confidence=c, key=k)
+            rows.append((name, "q=0.5 noise_multiplier=1 num_steps=4 (final model only)", r))
+        else:
+            r = audit.audit_dpsgd_one_run(1.0, 1.0, 1, d, num_canaries=args.num_canaries, confidence=c, key=k)
+            rows.append((name, f"q=1 noise_multiplier=1 num_steps=1 canaries={args.num_canaries}", r))
+
+    csv_path = os.path.join(args.out, "audit.csv")
+    with open(csv_path, "w") as fh:
+        fh.write("setting,parameters,delta,confidence,runs,claimed_epsilon,lower_bound,ratio\n")
+        for name, params, r in rows:
+            fh.write(f"{name},{params},{d:.10g},{c:.10g},{runs},{float(r.claimed_epsilon):.10g},"
+                     f"{float(r.lower_bound):.10g},{float(r.ratio):.10g}\n")
+    lines = [f"audit at delta = {d:g}, confidence {c:g}, {runs} runs per side "
+             f"({args.num_canaries} canaries for the one-run audit)",
+             f"{'setting':<18} {'claimed eps':>12} {'lower bound':>12} {'ratio':>7}  parameters"]
+    violated = False
+    for name, params, r in rows:
+        claimed, lower = float(r.claimed_epsilon), float(r.lower_bound)
+        violated |= lower > claimed
+        lines.append(f"{name:<18} {fmt(claimed):>12} {fmt(lower):>12} {fmt(float(r.ratio), '.3f'):>7}  {params}")
+    if violated:
+        lines.append("WARNING: a lower bound exceeds its claim: the claimed epsilon is wrong (or the confidence failed)")
+    lines.append(f"wrote {csv_path}")
+    png_path = os.path.join(args.out, "audit.png")
+    payload = dict(delta=d, confidence=c, runs=runs, csv=csv_path, violated=bool(violated),
+                   results=[dict(setting=n, parameters=p, claimed_epsilon=float(r.claimed_epsilon),
+                                 lower_bound=float(r.lower_bound), ratio=float(r.ratio)) for n, p, r in rows])
+    try:  # the plot is optional and comes last: its failure must not lose the results
+        _plot(png_path, rows, d, c)
+        plot_error = None
+        lines.append(f"wrote {png_path}")
+        payload["png"] = png_path
+    except Exception as exc:  # matplotlib and OS errors alike, reported in one line
+        plot_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        payload["png"] = None
+    emit(args, payload, lines)
+    if plot_error:
+        print(f"jaxdp: error: the plot {png_path!r} could not be written ({plot_error})", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _plot(path, rows, delta, confidence) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    labels = [n if not p.startswith("position") else f"pnsgd {p.split()[0]}" for n, p, _ in rows]
+    claimed = np.array([float(r.claimed_epsilon) for _, _, r in rows])
+    lower = np.array([float(r.lower_bound) for _, _, r in rows])
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(1.3 * len(rows) + 2.5, 3.8), constrained_layout=True)
+    ax.bar(x - 0.2, claimed, 0.4, label="claimed epsilon (accountant, upper bound)")
+    ax.bar(x + 0.2, lower, 0.4, label=f"empirical lower bound ({confidence:g} confidence)")
+    ax.set_xticks(x, labels, rotation=30, ha="right")
+    ax.set_ylabel(f"epsilon at delta = {delta:g}")
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
