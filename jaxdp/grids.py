@@ -121,9 +121,9 @@ def epsilon_grid(q, noise_multiplier, num_steps, delta, *, directory: str | None
 
     Examples:
       >>> import jaxdp.grids
-      >>> res = jaxdp.grids.epsilon_grid([0.01, 0.02], 1.1, 1000, 1e-5, chunk_size=4)
+      >>> res = jaxdp.grids.epsilon_grid([0.01, 0.02], 1.1, 1000, 1e-5, orders=(2.0, 4.0, 8.0, 16.0, 32.0))
       >>> res.epsilon.shape, res.epsilon[:, 0, 0, 0].round(4).tolist()
-      ((2, 1, 1, 1), [1.7118, 3.5876])
+      ((2, 1, 1, 1), [1.7982, 4.0911])
     """
     start = time.perf_counter()
     _validate.check_static_choice("accountant", accountant, ("rdp", "pld"))
@@ -165,7 +165,7 @@ def epsilon_grid(q, noise_multiplier, num_steps, delta, *, directory: str | None
             coords = np.unravel_index(idx, shape)
             args = [_sharding.shard_leading_axis(ax[c], mesh) for ax, c in zip(axes, coords)]
             with jax.enable_x64(True):
-                values = np.asarray(fn(*args), dtype=np.float64)
+                values = np.asarray(_sharding.to_host(fn(*args)), dtype=np.float64)
             eps[lo:hi] = values[: hi - lo]
             if folder is not None:
                 eps.flush()  # the values reach the file before the chunk is marked done
