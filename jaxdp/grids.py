@@ -136,6 +136,8 @@ def epsilon_grid(q, noise_multiplier, num_steps, delta, *, directory: str | None
     _validate.check_delta(axes[3])
     if accountant == "rdp":
         orders = tuple(float(o) for o in _validate.concrete_orders(orders))
+    else:  # the PLD accountant has no orders
+        orders = None
     chunk_size = _DEFAULT_CHUNK[accountant] if chunk_size is None else chunk_size
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an integer >= 1; got {chunk_size!r}")
@@ -207,7 +209,7 @@ def write_grid_csv(path: str, result: GridResult, *, chunk_size: int = 65536) ->
     os.replace(tmp, path)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _chunk_function(accountant: str, orders: tuple, method: str):
     if accountant == "pld":
         return jax.jit(lambda q, s, t, d: A.pld_epsilon(A.dpsgd_event(q, s, t), d))

@@ -61,7 +61,7 @@ def test_interrupted_grid_resumes_without_loss_or_duplication(tmp_path, referenc
     assert rows == (tmp_path / "b.csv").read_text().splitlines() and len(rows) == 25
     q, s, t, d, e = (float(v) for v in rows[-1].split(","))
     assert (q, s, t, d, e) == (0.1, 2.0, 1000.0, 1e-7, reference[-1, -1, -1, -1])  # repr round-trips
-    again = _grid(tmp_path)  # finished: nothing recomputed
+    again = _grid(tmp_path, progress=True)  # finished: nothing recomputed (the bar starts full)
     assert (again.resumed_chunks, again.computed_chunks) == (3, 0)
 
 
@@ -153,3 +153,19 @@ def test_panels_cover_every_steps_value_up_to_the_cap():
     assert _panels(10) == list(range(10))
     shown = _panels(100)
     assert len(shown) == MAX_PANELS and shown[0] == 0 and shown[-1] == 99
+
+
+def test_pld_grid_options_are_accepted_without_orders():
+    # Found while benchmarking: the default orders (an array) reached the PLD chunk cache as a key.
+    assert callable(G._chunk_function("pld", None, "improved"))
+    assert G._fingerprint([np.array([0.1])], accountant="pld", orders=None, method="improved", chunk_size=16)
+
+
+@pytest.mark.slow  # the PLD program compiles for ~30 s; the option handling is covered above
+def test_pld_grid_equals_pld_epsilon():
+    import jaxdp.accounting as A
+
+    res = G.epsilon_grid([0.01, 0.02], 1.1, 1000, 1e-5, accountant="pld")
+    for i, q in enumerate([0.01, 0.02]):
+        assert res.epsilon[i, 0, 0, 0] == pytest.approx(float(A.pld_epsilon(A.dpsgd_event(q, 1.1, 1000), 1e-5)),
+                                                        rel=RTOL)
