@@ -169,3 +169,18 @@ def test_pld_grid_equals_pld_epsilon():
     for i, q in enumerate([0.01, 0.02]):
         assert res.epsilon[i, 0, 0, 0] == pytest.approx(float(A.pld_epsilon(A.dpsgd_event(q, 1.1, 1000), 1e-5)),
                                                         rel=RTOL)
+
+
+def test_cli_interrupted_says_how_to_resume(tmp_path, capsys, monkeypatch):
+    real = G.epsilon_grid
+
+    def interrupted(*a, **k):
+        real(*a, **dict(k, callback=lambda i, n: (_ for _ in ()).throw(KeyboardInterrupt) if i == 1 else None))
+
+    monkeypatch.setattr(G, "epsilon_grid", interrupted)
+    assert main(_cli(tmp_path, "--delta", "1e-5,1e-7")) == 130
+    assert "run the same command again to resume" in capsys.readouterr().err
+    monkeypatch.setattr(G, "epsilon_grid", real)
+    assert main(_cli(tmp_path, "--delta", "1e-5,1e-7", "--json")) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["computed_chunks"], out["resumed_chunks"]) == (1, 2)

@@ -74,9 +74,14 @@ def run(args) -> int:
         for name in os.listdir(args.out):
             if name.startswith("chunks-") and os.path.exists(os.path.join(args.out, name, "manifest.json")):
                 shutil.rmtree(os.path.join(args.out, name), ignore_errors=True)
-    res = grids.epsilon_grid(qs, noise_multipliers, steps, deltas, directory=args.out, chunk_size=args.chunk_size,
-                             accountant=args.accountant, orders=orders(args), method=args.method,
-                             progress=not args.no_progress and sys.stderr.isatty())
+    try:
+        res = grids.epsilon_grid(qs, noise_multipliers, steps, deltas, directory=args.out,
+                                 chunk_size=args.chunk_size, accountant=args.accountant, orders=orders(args),
+                                 method=args.method, progress=not args.no_progress and sys.stderr.isatty())
+    except KeyboardInterrupt:
+        print(f"jaxdp: interrupted; the finished chunks are kept in {args.out!r}: run the same command again "
+              "to resume", file=sys.stderr)
+        return 130
     eps = res.epsilon
     n = eps.size
     csv_path = os.path.join(args.out, "epsilon_grid.csv")
