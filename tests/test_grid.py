@@ -104,7 +104,7 @@ def _cli(tmp_path, *extra):
             "--chunk-size", str(CHUNK), "--orders", ORDERS_TEXT, "--out", str(tmp_path), *extra]
 
 
-def test_cli_delta_list_contours_and_resume(tmp_path, capsys, reference):
+def test_cli_delta_list_contours_and_resume(tmp_path, capsys, reference, monkeypatch):
     argv = _cli(tmp_path, "--delta", "1e-5,1e-7", "--contours", "1,2,8", "--json")
     assert main(argv) == 0
     first = json.loads(capsys.readouterr().out)
@@ -116,6 +116,9 @@ def test_cli_delta_list_contours_and_resume(tmp_path, capsys, reference):
     rows = (tmp_path / "epsilon_grid.csv").read_text().splitlines()
     assert len(rows) == 25 and {r.split(",")[3] for r in rows[1:]} == {"1e-05", "1e-07"}
     assert [float(r.split(",")[4]) for r in rows[1:]] == reference.ravel().tolist()
+    from jaxdp.cli import grid
+
+    monkeypatch.setattr(grid, "_heatmap", lambda *a, **k: None)  # drawn above; the reruns test the chunks
     assert main(argv) == 0  # the same command again: every chunk resumed
     again = json.loads(capsys.readouterr().out)
     assert (again["computed_chunks"], again["resumed_chunks"]) == (0, 3)
@@ -177,6 +180,9 @@ def test_cli_interrupted_says_how_to_resume(tmp_path, capsys, monkeypatch):
     def interrupted(*a, **k):
         real(*a, **dict(k, callback=lambda i, n: (_ for _ in ()).throw(KeyboardInterrupt) if i == 1 else None))
 
+    from jaxdp.cli import grid
+
+    monkeypatch.setattr(grid, "_heatmap", lambda *a, **k: None)  # heat maps are tested above
     monkeypatch.setattr(G, "epsilon_grid", interrupted)
     assert main(_cli(tmp_path, "--delta", "1e-5,1e-7")) == 130
     assert "run the same command again to resume" in capsys.readouterr().err
