@@ -40,6 +40,12 @@ SCRIPT = textwrap.dedent(
     out["output_devices"] = len(eps.sharding.device_set)
     out["output_spec"] = str(eps.sharding.spec)
     out["dpsgd"] = np.asarray(eps)[:13].tolist()
+    # The event algebra on a sharded batch: an event whose leaves are split over the devices.
+    event_eps = jax.jit(lambda q, s, t, d: A.epsilon(A.dpsgd_event(q, s, t), d, orders=f.keywords["orders"]))
+    with jax.enable_x64(True):
+        ev = event_eps(*args)
+    out["event_devices"] = len(ev.sharding.device_set)
+    out["event"] = np.asarray(ev)[:13].tolist()
     out["apply"] = S.sharded_apply(f, q[:8, None], [0.7, 3.0], 100.0, 1e-6).tolist()  # 16 configurations
     res = G.epsilon_grid(q, [0.7, 3.0], [10.0, 1000.0], 1e-5, chunk_size=16, orders=f.keywords["orders"])
     out["grid"] = np.asarray(res.epsilon).ravel().tolist()
@@ -54,7 +60,7 @@ def test_sharded_batches_equal_single_device_results():
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     assert out["devices"] == 8
-    assert out["input_devices"] == out["output_devices"] == 8 and "batch" in out["output_spec"]
+    assert out["input_devices"] == out["output_devices"] == out["event_devices"] == 8 and "batch" in out["output_spec"]
     assert out["input_dtype"] == "float64"
     # Single-device references, computed here (one device) in one jitted call over all of them.
     q = np.geomspace(1e-4, 0.5, 13)
@@ -68,6 +74,7 @@ def test_sharded_batches_equal_single_device_results():
     with jax.enable_x64(True):  # float64 inputs stay float64 at the jit boundary
         want = np.asarray(f(*cols))
     np.testing.assert_allclose(out["dpsgd"], want[:13], rtol=RTOL, atol=0)
+    np.testing.assert_allclose(out["event"], want[:13], rtol=RTOL, atol=0)
     np.testing.assert_allclose(np.ravel(out["apply"]), want[13:29], rtol=RTOL, atol=0)
     np.testing.assert_allclose(out["grid"], want[29:], rtol=RTOL, atol=0)
 
