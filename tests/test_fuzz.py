@@ -11,6 +11,7 @@ CI runs a few dozen examples per property (seconds); JAXDP_SLOW=1 runs ten times
 
 import contextlib
 import io
+import json
 import math
 import os
 
@@ -229,3 +230,88 @@ def test_cli_grid_fuzzed(q, delta, tmp_path_factory):
     _check_outcome(rc, stdout, err)
     if rc == 0:
         assert (out / "epsilon_grid.csv").exists()
+
+
+# ---------------------------------------------------------------------------------------
+# jaxdp calibrate and jaxdp pnsgd: the same contract (result, or one-line error with exit 2)
+# ---------------------------------------------------------------------------------------
+
+def _check_calibrate(rc, out, err):
+    """0 with a finite noise multiplier, 1 when none in the search range reaches the target, or 2."""
+    if rc == 1:
+        assert "Traceback" not in err and not err, err
+        assert json.loads(out)["noise_multiplier"] == math.inf, out
+        return
+    _check_outcome(rc, out, err)
+
+
+# A short static order grid: one compilation of a few seconds (the default grid's takes ~20 s
+# and is compiled by tests/test_cli.py::test_calibrate; JAXDP_SLOW=1 fuzzes with it too).
+CALIBRATE_ORDERS = ["--orders=2,4,8,16,32,64"]
+
+
+@settings(FUZZ, max_examples=200 if SLOW else 12)
+@given(eps=_text(_log_uniform(1e-3, 1e6)), q=_text(Q), steps=_text(STEPS), delta=_text(DELTA),
+       orders=st.sampled_from([CALIBRATE_ORDERS, []] if SLOW else [CALIBRATE_ORDERS]))
+def test_cli_calibrate_fuzzed(eps, q, steps, delta, orders):
+    argv = ["calibrate", f"--epsilon={eps}", f"--q={q}", f"--num-steps={steps}", f"--delta={delta}", "--json", *orders]
+    rc, out, err = _run(argv)
+    _check_calibrate(rc, out, err)
+    if rc == 0:
+        payload = json.loads(out)
+        assert math.isfinite(payload["noise_multiplier"]) and payload["epsilon"] <= payload["target_epsilon"]
+
+
+# The values of tests/test_cli.py's pnsgd run (40 records): one compilation for both files.
+PNSGD_VALID = dict(lipschitz=1.0, smoothness=0.5, learning_rate=0.5, noise_std=2.0, diameter=1.0, num_records=40,
+                   delta=1e-5)
+PNSGD_OPTIONS = sorted(PNSGD_VALID) + ["strong_convexity", "batch_size", "passes"]
+
+
+def _pnsgd_argv(which, text):
+    args = {k: repr(v) if isinstance(v, float) else str(v) for k, v in PNSGD_VALID.items()}
+    args[which] = text
+    return ["pnsgd", *[f"--{k.replace('_', '-')}={v}" for k, v in args.items()], "--json"]
+
+
+@pytest.mark.slow  # each new record count compiles the accountant (a minute on the shared VM)
+@settings(FUZZ, max_examples=200)
+@given(which=st.sampled_from(PNSGD_OPTIONS),
+       text=st.one_of(NUMBER_TEXT, st.integers(-3, 10**13).map(str), _log_uniform(1e-300, 1e300).map(repr)))
+def test_cli_pnsgd_fuzzed(which, text):
+    rc, out, err = _run(_pnsgd_argv(which, text))
+    _check_outcome(rc, out, err)
+    if rc == 2 and not err.startswith("jaxdp: error: argument"):  # past argparse: the option is named
+        assert "--" in err, err
+
+
+# Values invalid for every option (floats and counts alike): rejected before any computation,
+# so the CI version of the fuzzing compiles nothing.
+INVALID_TEXT = st.one_of(
+    st.sampled_from(["", "x", ",", "nan", "-inf", "-1", "-0.5", "1e-320x", "0x10", "1,2"]),
+    st.floats(max_value=-1e-300, allow_infinity=True).map(repr),
+)
+
+
+@settings(FUZZ, max_examples=200 if SLOW else 40)
+@given(which=st.sampled_from(PNSGD_OPTIONS), text=INVALID_TEXT)
+def test_cli_pnsgd_invalid_values_one_line(which, text):
+    rc, out, err = _run(_pnsgd_argv(which, text))
+    assert rc == 2 and out == "", (rc, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("jaxdp: error:") and "Traceback" not in err, err
+    assert f"--{which.replace('_', '-')}" in err, err
+
+
+@pytest.mark.parametrize("count", ["10000001", "1000000000000", "0"])
+def test_cli_pnsgd_refuses_huge_record_counts_before_work(count):
+    # Found by fuzzing: --num-records 1e12 asked XLA for 8 TB (one value per position).
+    rc, out, err = _run(_pnsgd_argv("num_records", count))
+    assert rc == 2 and "--num-records must be an integer in [1, 10000000]" in err and err.count("\n") == 1, err
+
+
+def test_cli_pnsgd_checks_the_plot_path_before_work(tmp_path):
+    rc, out, err = _run([*_pnsgd_argv("diameter", "1"), "--plot", str(tmp_path / "missing" / "eps.png")])
+    assert rc == 2 and "--plot cannot write" in err and out == ""
+    rc, out, err = _run([*_pnsgd_argv("diameter", "1"), "--plot", str(tmp_path / "eps.notanimage")])
+    assert rc == 2 and "--plot must name an image file" in err

@@ -10,7 +10,8 @@ import inspect
 
 import pytest
 
-MODULES = ("jaxdp.accounting", "jaxdp.training", "jaxdp.models", "jaxdp.data", "jaxdp.interop", "jaxdp.audit")
+MODULES = ("jaxdp.accounting", "jaxdp.training", "jaxdp.models", "jaxdp.data", "jaxdp.interop", "jaxdp.audit",
+           "jaxdp.grids")
 
 # The README glossary (section "Names and units"), as parameter names.
 GLOSSARY = {
@@ -111,6 +112,6 @@ _LOCAL_NAMES = {
     "hidden", "p", "batch", "normalize", "dtype", "param_dtype", "activation", "axis", "layer_sizes",
     "iterations_limit", "lower", "upper", "bracket", "tolerance", "x_test", "y_test", "order",
     "digits", "kind", "inputs", "labels", "example_axis", "per_example_grads", "model_or_params", "tree",
-    "p_prime", "graphdef", "rest", "tx", "opt_state", "sample_key", "norms",
+    "p_prime", "graphdef", "rest", "tx", "opt_state", "sample_key", "norms", "result",
     "devices", "mesh",  # data parallelism: where the batch is split (jax devices or a Mesh)
 }

@@ -15,6 +15,9 @@ import math
 from ._common import error, fmt, option_message
 
 _ANALYSES = ("contraction", "iteration", "strongly_convex", "shifted_gdp", "composition", "best")
+# Every analysis returns one value per record position (float64): 10^7 positions are ~0.5 GB
+# in all. Larger runs are refused before any work (found by fuzzing: 10^12 asked for 8 TB).
+MAX_NUM_RECORDS = 10**7
 
 
 def add_parser(sub) -> None:
@@ -71,10 +74,22 @@ def _fmt(x: float) -> str:
 
 def run(args) -> int:
     """Run the ``pnsgd`` subcommand; returns the exit code (2 for invalid arguments)."""
+    import os
+
     import numpy as np
 
     from ..accounting import pnsgd_privacy
 
+    if not 1 <= args.num_records <= MAX_NUM_RECORDS:
+        return error(f"--num-records must be an integer in [1, {MAX_NUM_RECORDS}] (one value per record position "
+                     f"is computed for every analysis); got {args.num_records}")
+    if args.plot:  # check the plot's folder and format before the work, not after
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        ext = os.path.splitext(args.plot)[1].lower().lstrip(".")
+        if ext not in ("png", "pdf", "svg", "jpg", "jpeg", "eps", "ps", "tif", "tiff", "webp", "svgz", "pgf", "raw", "rgba"):
+            return error(f"--plot must name an image file (.png, .pdf, .svg, ...); got {args.plot!r}")
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            return error(f"--plot cannot write to {args.plot!r}: its folder does not exist or is not writable")
     try:
         out = pnsgd_privacy(
             lipschitz=args.lipschitz,
