@@ -345,3 +345,18 @@ def test_calibrate_with_the_pld_accountant(capsys):
     acc = pld.PLDAccountant(value_discretization_interval=1e-4)
     acc.compose(dp_event.PoissonSampledDpEvent(256 / 60000, dp_event.GaussianDpEvent(got["noise_multiplier"])), 14040)
     assert acc.get_epsilon(1e-5) <= 1.0 * (1 + 5e-3)
+
+
+def test_json_output_is_strict_for_non_finite_numbers(capsys):
+    # `--json` must parse with a strict JSON parser: +inf (an uncertifiable bound) is the string "inf".
+    import argparse
+
+    from jaxdp.cli._common import emit
+
+    emit(argparse.Namespace(json=True), {"epsilon": float("inf"), "rows": [float("-inf"), 1.5], "x": float("nan")}, [])
+
+    def refuse(name):
+        raise ValueError(name)
+
+    payload = json.loads(capsys.readouterr().out, parse_constant=refuse)
+    assert payload == {"epsilon": "inf", "rows": ["-inf", 1.5], "x": "nan"}

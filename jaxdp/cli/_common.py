@@ -79,11 +79,25 @@ def add_conversion_options(p: argparse.ArgumentParser) -> None:
 
 
 def emit(args, payload: dict, lines: list[str]) -> None:
-    """Print ``payload`` as JSON with ``--json``, else the text ``lines``."""
+    """Print ``payload`` as JSON with ``--json``, else the text ``lines``.
+
+    The JSON is strict (RFC 8259): a non-finite number is written as the string ``"inf"``,
+    ``"-inf"`` or ``"nan"``, never as the bare ``Infinity`` that strict parsers reject.
+    """
     if args.json:
-        print(json.dumps(payload))
+        print(json.dumps(_strict(payload), allow_nan=False))
     else:
         print("\n".join(lines))
+
+
+def _strict(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return fmt(x) if not math.isinf(x) or x > 0 else "-inf"
+    if isinstance(x, dict):
+        return {k: _strict(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_strict(v) for v in x]
+    return x
 
 
 def fmt(x: float, spec: str = ".4g") -> str:
