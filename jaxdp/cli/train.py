@@ -1,4 +1,4 @@
-"""``jaxdp train``: PNSGD on a real data set, with ε per record position.
+"""``jaxdp train``: PNSGD (or DP-SGD, or DP-SBCD) on a real data set, with ε per record position.
 
 Thin layer over :func:`jaxdp.training.train`: loads the data (bundled digits by default,
 or local MNIST / Fashion-MNIST files), builds the model, trains, and prints the test
@@ -21,6 +21,7 @@ import warnings
 from ._common import error, option_message
 
 _MODELS = ("logistic", "softmax", "mlp")
+_SBCD_HIDDEN = "dpsbcd hidden-state (Chen & Liu Thm 4.6, layers summed)"  # the report's name for it
 _DATASETS = ("digits", "mnist", "fashion-mnist")
 def add_parser(sub) -> None:
     p = sub.add_parser(
@@ -152,7 +153,8 @@ def _plot(path: str, report, title: str) -> None:
               "contraction": ("C2", 1.2, "contraction coefficients"),
               "random-stop (Thm 5)": ("C1", 1.2, "random stopping (Asoodeh Thm 5)"),
               "random-stop (Thm 26)": ("C2", 1.2, "random stopping (Feldman Thm 26)"),
-              "strongly_convex": ("C4", 1.0, "strongly convex"), "composition": ("C3", 1.6, "composition")}
+              "strongly_convex": ("C4", 1.0, "strongly convex"), "composition": ("C3", 1.6, "composition"),
+              _SBCD_HIDDEN: ("C0", 2.2, "DP-SBCD hidden state (reported; layers summed without proof)")}
     for name, values in report.by_analysis.items():
         v = np.asarray(values)
         if not np.any(np.isfinite(v) & (v <= cap)):
@@ -161,7 +163,8 @@ def _plot(path: str, report, title: str) -> None:
         if report.analysis == "composition" and name == "composition":
             label = "composition (reported)"
         ax.plot(pos, np.where(v <= cap, v, np.nan), color=color, lw=lw, label=label,
-                ls="-" if name in ("best", "composition") else "--", zorder=1 if name == "best" else 2)
+                ls="-" if name in ("best", "composition", _SBCD_HIDDEN) else "--",
+                zorder=1 if name in ("best", _SBCD_HIDDEN) else 2)
     ax.set_xlabel("record position in the (shuffled-once) order")
     ax.set_ylabel(f"epsilon at delta={report.delta:g}")
     ax.set_title(title, fontsize=10)

@@ -185,6 +185,9 @@ def test_ledger_states_the_run_and_its_epsilon_is_the_accountant_per_batch_posit
     rdp = sum(2 * A.gaussian_rdp(ORDERS, zi) for zi in z)
     np.testing.assert_allclose(rep.composition, float(A.rdp_to_epsilon(rdp, ORDERS, 1e-5).epsilon), rtol=1e-9)
     assert np.all(rep.epsilon <= rep.composition)
+    from jaxdp.cli.train import _SBCD_HIDDEN  # the plot's style for the reported line
+
+    assert list(rep.by_analysis) == [_SBCD_HIDDEN, "composition"]
     assert full.history == [(6, rep.summary())] and json.loads(json.dumps(led.to_json())) == led.to_json()
     assert DPSBCDLedger.from_json(json.loads(json.dumps(led.to_json()))) == led
 
@@ -304,3 +307,19 @@ def test_command_line_refuses_missing_constants(capsys):
     assert "--noise-temperature is required" in capsys.readouterr().err
     assert main([*base, "--noise-temperature", "1e-4", "--contraction", "1"]) == 2
     assert "--model mlp" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # about 10 s: a new network shape to compile; the pieces are covered above
+def test_command_line_end_to_end(tmp_path, capsys):
+    from jaxdp.cli.main import main
+
+    png = tmp_path / "e.png"
+    assert main(["train", "--algorithm", "dpsbcd", "--model", "mlp", "--noise-temperature", "1e-4", "--contraction", "1",
+                 "--learning-rate", "0.5", "--batch-size", "288", "--smoke", "--plot", str(png), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["analysis"] == "dpsbcd" and out["private"] and png.exists()
+    assert out["epsilon_worst"] == out["by_analysis"][_HIDDEN_NAME]["worst"] < out["by_analysis"]["composition"]["worst"]
+    assert "WITHOUT PROOF" in out["reason"] and out["ledger"]["passes"] == 1
+
+
+_HIDDEN_NAME = "dpsbcd hidden-state (Chen & Liu Thm 4.6, layers summed)"
