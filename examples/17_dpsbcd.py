@@ -1,7 +1,8 @@
 """DP-SBCD (Chen & Liu 2024): constant vs decreasing noise, and DP-SGD at the same epsilon.
 
-What you should see (default run: TIME_DEFAULT; --full, the paper-sized comparison:
-TIME_FULL; --smoke: seconds; all on the shared 2-core VM, load stated in the README): a
+What you should see (default run: 54 CPU-seconds, 4 minutes wall-clock; --full, the
+paper-sized comparison: 126 CPU-seconds, 8 minutes; --smoke: 15 CPU-seconds; measured on the
+shared 2-core VM at load average 4-12, 2026-11-23, the two runs side by side): a
 table with, for each number of passes K, the epsilon at delta = 1e-5 of a constant noise
 schedule C and of a linearly decreasing one D calibrated to the same epsilon (the paper's
 Table 1 design), their test accuracies, and DP-SGD on the same bias-free Lipschitz network
