@@ -4,8 +4,9 @@ Workload: the paper's synthetic shape (scikit-learn ``make_classification``, 6,0
 5 classes, 4,800 training rows), a bias-free ``LipschitzMLP`` (20, 200, 200, 200, 5) as in
 Chen & Liu's experiment (``--width`` to change), batch 960 (5 steps per pass), float32, CPU.
 
-* ``dpsbcd``: :func:`jaxdp.training.train_dpsbcd` (lifted per-record state, x/U block updates
-  with a linear solve per layer, power iteration, noisy prox step), one ``lax.scan``;
+* ``dpsbcd``: :func:`jaxdp.training.train` with ``algorithm="dpsbcd"`` (the common trainer:
+  lifted per-record state, x/U block updates with a linear solve per layer, power iteration,
+  noisy prox step, one ``lax.scan`` per pass, ledger and report);
 * ``dpsgd``: :func:`jaxdp.training.train` with ``algorithm="dpsgd"`` (Poisson sampling with
   expected batch 960, per-example clipping, optax SGD).
 
@@ -38,7 +39,7 @@ from sklearn.datasets import make_classification
 
 from jaxdp.data import from_arrays
 from jaxdp.models import LipschitzMLP, softmax_cross_entropy_loss
-from jaxdp.training import train, train_dpsbcd
+from jaxdp.training import train
 
 
 def _data():
@@ -68,8 +69,8 @@ def main(argv=None) -> int:
 
     def sbcd(passes):
         model = LipschitzMLP(features, rngs=nnx.Rngs(0), max_spectral_norm=3.0)
-        res = train_dpsbcd(model, ds, learning_rate=0.01, noise_temperature=[0.01] * passes, clip_norm=1.0,
-                           contraction=1.0, batch_size=batch, delta=1e-5, noise_seed=0)
+        res = train(model, ds, algorithm="dpsbcd", learning_rate=0.01, noise_temperature=[0.01] * passes,
+                    clip_norm=1.0, contraction=1.0, batch_size=batch, delta=1e-5, noise_seed=0, progress=False)
         jax.block_until_ready(res.model.layers[-1].kernel[...])
 
     def sgd(passes):
@@ -80,7 +81,7 @@ def main(argv=None) -> int:
         jax.block_until_ready(jax.tree.leaves(nnx.state(res.model)))
 
     print(f"machine: {platform.machine()} {os.cpu_count()} cores, jax {jax.__version__}, network {features}, "
-          f"batch {batch}, {len(ds.x_train)} rows")
+          f"batch {batch}, {len(ds.x_train)} rows, load average {os.getloadavg()[0]:.1f}")
     out = {}
     for name, fn in (("dpsbcd", sbcd), ("dpsgd", sgd)):
         fn(p1), fn(p2)  # compile

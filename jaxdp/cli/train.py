@@ -1,4 +1,4 @@
-"""``jaxdp train``: PNSGD on a real data set, with ε per record position.
+"""``jaxdp train``: PNSGD (or DP-SGD, or DP-SBCD) on a real data set, with ε per record position.
 
 Thin layer over :func:`jaxdp.training.train`: loads the data (bundled digits by default,
 or local MNIST / Fashion-MNIST files), builds the model, trains, and prints the test
@@ -21,6 +21,7 @@ import warnings
 from ._common import error, option_message
 
 _MODELS = ("logistic", "softmax", "mlp")
+_SBCD_HIDDEN = "dpsbcd hidden-state (Chen & Liu Thm 4.6, layers summed)"  # the report's name for it
 _DATASETS = ("digits", "mnist", "fashion-mnist")
 def add_parser(sub) -> None:
     p = sub.add_parser(
@@ -39,10 +40,12 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--dataset", choices=_DATASETS, default="digits", help="data set (default: digits, bundled)")
     p.add_argument("--data-path", default=None, help="MNIST/Fashion-MNIST .npz file or IDX directory (never downloaded)")
-    p.add_argument("--algorithm", choices=("pnsgd", "dpsgd"), default="pnsgd",
-                   help="pnsgd (default: projected noisy SGD, per-record hidden-state epsilon for convex models) or "
+    p.add_argument("--algorithm", choices=("pnsgd", "dpsgd", "dpsbcd"), default="pnsgd",
+                   help="pnsgd (default: projected noisy SGD, per-record hidden-state epsilon for convex models), "
                         "dpsgd (Poisson-sampled DP-SGD for any model; --batch-size is the expected batch size and "
-                        "--noise-multiplier is relative to C, as in Opacus)")
+                        "--noise-multiplier is relative to C, as in Opacus) or dpsbcd (block coordinate descent of a "
+                        "bias-free Lipschitz ReLU network, --model mlp; Chen & Liu 2024's hidden-state bound, which "
+                        "sums the layers without proof; needs --noise-temperature and --contraction)")
     p.add_argument("--model", choices=_MODELS, default="softmax",
                    help="softmax (default), logistic (odd vs even digit) or mlp (one hidden layer of 128)")
     p.add_argument("--passes", type=int, default=None,
@@ -57,6 +60,16 @@ def add_parser(sub) -> None:
     p.add_argument("--clip-norm", type=float, default=None,
                    help="clip norm C (default: the Lipschitz bound for convex models, 1 for the MLP)")
     p.add_argument("--delta", type=float, default=1e-5, help="target delta (default 1e-5)")
+    p.add_argument("--noise-temperature", default=None, metavar="O[,O...]",
+                   help="dpsbcd: noise temperature o > 0 of the weight steps N(0, 2*eta*o): one value for every pass "
+                        "or one per pass, comma-separated (sets the number of passes)")
+    p.add_argument("--contraction", type=float, default=None,
+                   help="dpsbcd: Lipschitz constant L_F of every block's gradient map, as you state it (required: the "
+                        "paper gives none; 1 for a convex beta-smooth block with eta <= 2/beta)")
+    p.add_argument("--weight-decay", type=float, default=0.0,
+                   help="dpsbcd: weight decay lambda of the proximal step (default 0)")
+    p.add_argument("--max-spectral-norm", type=float, default=3.0,
+                   help="dpsbcd: spectral-norm bound rho of every layer of the Lipschitz MLP (default 3)")
     p.add_argument("--order-seed", type=int, default=0,
                    help="public seed of the record order and the model's initialisation (default 0)")
     p.add_argument("--insecure-noise-seed", type=int, default=None, metavar="N",
@@ -110,6 +123,11 @@ def _model(args, ds):
 
     d = ds.x_train.shape[1]
     rngs = nnx.Rngs(args.order_seed)
+    if args.algorithm == "dpsbcd":
+        if args.model != "mlp":
+            raise _Usage("--algorithm dpsbcd trains a bias-free Lipschitz ReLU network: pass --model mlp")
+        return models.LipschitzMLP((d, 128, ds.num_classes), rngs=rngs,
+                                   max_spectral_norm=args.max_spectral_norm), ds
     if args.model == "softmax":
         return models.SoftmaxRegression(d, ds.num_classes, rngs=rngs), ds
     if args.model == "logistic":
@@ -135,7 +153,8 @@ def _plot(path: str, report, title: str) -> None:
               "contraction": ("C2", 1.2, "contraction coefficients"),
               "random-stop (Thm 5)": ("C1", 1.2, "random stopping (Asoodeh Thm 5)"),
               "random-stop (Thm 26)": ("C2", 1.2, "random stopping (Feldman Thm 26)"),
-              "strongly_convex": ("C4", 1.0, "strongly convex"), "composition": ("C3", 1.6, "composition")}
+              "strongly_convex": ("C4", 1.0, "strongly convex"), "composition": ("C3", 1.6, "composition"),
+              _SBCD_HIDDEN: ("C0", 2.2, "DP-SBCD hidden state (reported; layers summed without proof)")}
     for name, values in report.by_analysis.items():
         v = np.asarray(values)
         if not np.any(np.isfinite(v) & (v <= cap)):
@@ -144,7 +163,8 @@ def _plot(path: str, report, title: str) -> None:
         if report.analysis == "composition" and name == "composition":
             label = "composition (reported)"
         ax.plot(pos, np.where(v <= cap, v, np.nan), color=color, lw=lw, label=label,
-                ls="-" if name in ("best", "composition") else "--", zorder=1 if name == "best" else 2)
+                ls="-" if name in ("best", "composition", _SBCD_HIDDEN) else "--",
+                zorder=1 if name in ("best", _SBCD_HIDDEN) else 2)
     ax.set_xlabel("record position in the (shuffled-once) order")
     ax.set_ylabel(f"epsilon at delta={report.delta:g}")
     ax.set_title(title, fontsize=10)
@@ -166,10 +186,13 @@ def run(args) -> int:
     try:
         if str(args.plot).lower() != "none":
             _check_writable(args.plot)
+        sbcd = {}
+        if args.algorithm == "dpsbcd":
+            sbcd, passes = _dpsbcd_options(args, passes)
         ds = _load(args)
         model, ds = _model(args, ds)
         clip = args.clip_norm
-        if clip is None and (args.model == "mlp" or args.algorithm == "dpsgd"):
+        if clip is None and (args.model == "mlp" or args.algorithm != "pnsgd"):
             clip = 1.0
         from ..training import train
 
@@ -180,10 +203,11 @@ def run(args) -> int:
             warnings.showwarning = lambda message, *_a, **_k: print(f"jaxdp: warning: {message}", file=sys.stderr)
             res = train(
                 model, ds, algorithm=args.algorithm, learning_rate=args.learning_rate,
-                noise_multiplier=args.noise_multiplier, radius=None if args.algorithm == "dpsgd" else args.radius,
+                noise_multiplier=None if sbcd else args.noise_multiplier,
+                radius=None if args.algorithm != "pnsgd" else args.radius, **sbcd,
                 batch_size=args.batch_size, passes=passes, delta=args.delta, order_seed=args.order_seed,
                 noise_seed=args.insecure_noise_seed, clip_norm=clip,
-                schedule=args.schedule.replace("-", "_"), checkpoint_dir=args.checkpoint_dir, resume=args.resume,
+                schedule=args.schedule.replace("-", "_") if not sbcd else "fixed", checkpoint_dir=args.checkpoint_dir, resume=args.resume,
                 progress=not args.json and sys.stderr.isatty(),
             )
         total = time.perf_counter() - start
@@ -202,6 +226,9 @@ def run(args) -> int:
     if args.algorithm == "dpsgd":
         plot = None  # epsilon is the same for every record: nothing to plot
         lines = _dpsgd_lines(ds, args, res, rep, led, total)
+    elif args.algorithm == "dpsbcd":
+        payload["by_analysis"] = {name: rep.summary(v) for name, v in rep.by_analysis.items()}
+        lines = _dpsbcd_lines(ds, res, rep, led, total)
     else:
         payload["by_analysis"] = {name: rep.summary(v) for name, v in rep.by_analysis.items()}
         payload["amplified"] = rep.summary(rep.amplified) if rep.amplified is not None else None
@@ -212,7 +239,10 @@ def run(args) -> int:
         lines = _pnsgd_lines(ds, args, res, rep, led, total)
     payload["plot"] = plot
     title = (f"PNSGD, {args.model} on {ds.name}: {led.passes} pass(es), b={led.batch_size}, "
-             f"eta={led.learning_rate:g}, nu={led.noise_multiplier:g}; accuracy {res.test_accuracy:.3f}")
+             f"eta={led.learning_rate:g}, nu={led.noise_multiplier:g}; accuracy {res.test_accuracy:.3f}"
+             if args.algorithm == "pnsgd" else
+             f"DP-SBCD, Lipschitz MLP on {ds.name}: {led.passes} pass(es), b={led.batch_size}, "
+             f"eta={led.learning_rate:g}; accuracy {res.test_accuracy:.3f}")
     if args.json:
         print(json.dumps(payload, allow_nan=True))
         return _write_plot(plot, rep, title)
@@ -228,6 +258,44 @@ def run(args) -> int:
 
 def _f(x: float) -> str:
     return "inf" if math.isinf(x) else f"{x:.3g}"
+
+
+def _dpsbcd_options(args, passes):
+    """``train``'s DP-SBCD arguments from the options, and the number of passes."""
+    if args.noise_temperature is None:
+        raise _Usage("--noise-temperature is required with --algorithm dpsbcd (no default: the bound depends on it)")
+    if args.contraction is None:
+        raise _Usage("--contraction is required with --algorithm dpsbcd (L_F of the block gradient maps: the paper "
+                     "states none, so there is no default)")
+    if args.schedule != "fixed":
+        raise _Usage("--schedule is not used with --algorithm dpsbcd (its passes are fixed)")
+    try:
+        temps = [float(v) for v in args.noise_temperature.split(",")]
+    except ValueError:
+        raise _Usage(f"--noise-temperature must be a number or comma-separated numbers; got "
+                     f"{args.noise_temperature!r}") from None
+    if len(temps) == 1:
+        temps = temps * passes
+    elif args.smoke:
+        temps = temps[:1]
+    elif args.passes is not None and args.passes != len(temps):
+        raise _Usage(f"--passes ({args.passes}) must match the {len(temps)} values of --noise-temperature")
+    return dict(noise_temperature=temps, contraction=args.contraction, weight_decay=args.weight_decay), len(temps)
+
+
+def _dpsbcd_lines(ds, res, rep, led, total) -> list[str]:
+    return [
+        f"  assumptions: {rep.reason}",
+        (f"DP-SBCD on {ds.name} ({len(ds.x_train)} train / {len(ds.x_test)} test), Lipschitz MLP, {led.passes} "
+         f"pass(es) of {led.steps_per_pass} batches of {led.batch_size}"
+         + (f" ({led.unused} records unused)" if led.unused else "")),
+        (f"  eta={led.learning_rate:g}, noise temperature={led.noise_temperature}, C={led.clip_norm:.4g}, "
+         f"weight decay={led.weight_decay:g}, L_F={led.contraction[0]:g}, delta={led.delta:g}, "
+         f"order seed={led.order_seed}"),
+        f"test accuracy: {100 * res.test_accuracy:.1f} %   (training {res.seconds:.1f} s, total {total:.1f} s)",
+        "",
+        rep.table(),
+    ]
 
 
 def _dpsgd_lines(ds, args, res, rep, led, total) -> list[str]:

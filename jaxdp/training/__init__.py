@@ -90,8 +90,9 @@ __all__ += [
 # DP-SBCD (Chen & Liu 2024): a standalone driver (per-record lifted state, block updates).
 from ._dpsbcd import DPSBCDResult as DPSBCDResult  # noqa: E402
 from ._dpsbcd import train_dpsbcd as train_dpsbcd  # noqa: E402
+from ._ledger import DPSBCDLedger as DPSBCDLedger  # noqa: E402
 
-__all__ += ["DPSBCDResult", "train_dpsbcd"]
+__all__ += ["DPSBCDLedger", "DPSBCDResult", "train_dpsbcd"]
 
 # Data parallelism over devices (jax.sharding): the batch split, the noise drawn once.
 from ._parallel import data_parallel_mesh as data_parallel_mesh  # noqa: E402

@@ -48,7 +48,7 @@ import numpy as np
 
 from .. import accounting
 from ..models import LipschitzMLP
-from ._loop import _secret_key, _unpack_data, accuracy
+from ._loop import _secret_key, accuracy
 
 __all__ = ["DPSBCDResult", "train_dpsbcd"]
 
@@ -57,11 +57,13 @@ class DPSBCDResult(NamedTuple):
     """What :func:`train_dpsbcd` returns.
 
     Attributes:
-      model: the trained :class:`~jaxdp.models.LipschitzMLP` (final weights only).
-      epsilon: ε at ``delta`` of :func:`~jaxdp.accounting.dpsbcd_epsilon` (as claimed by
-        Chen & Liu 2024; see its assumptions).
+      model: the trained :class:`~jaxdp.models.LipschitzMLP` (final weights only; a new module).
+      epsilon: ε at ``delta`` of the worst record position (:func:`~jaxdp.accounting.dpsbcd_rdp`
+        per batch position of the public order, as claimed by Chen & Liu 2024; see its
+        assumptions). At least :func:`~jaxdp.accounting.dpsbcd_epsilon`, the paper's mixture
+        over a secret random position.
       delta: δ.
-      event: the :class:`~jaxdp.accounting.DPSBCD` event of the run.
+      event: the :class:`~jaxdp.accounting.DPSBCD` event of the run (its ``epsilon`` is the mixture).
       test_accuracy: accuracy on the test split (None without one).
       seconds: wall-clock training time (compilation included).
     """
@@ -118,10 +120,10 @@ def activation_update(relu_prev, u_next, w, *, y=None, penalty=1.0):
 
 
 def _clipped_mean_grad(x, r, clip_norm, sign):
-    """Mean over rows of the clipped per-record gradients ``sign · x_iᵀ r_i`` (rank one each)."""
-    norms = jnp.linalg.norm(x, axis=1) * jnp.linalg.norm(r, axis=1)
+    """Mean over rows of the clipped per-record gradients ``sign · x_iᵀ r_i`` (rank one each), and their norms."""
+    norms = jnp.abs(sign) * jnp.linalg.norm(x, axis=1) * jnp.linalg.norm(r, axis=1)
     scale = jnp.minimum(1.0, clip_norm / jnp.maximum(norms, jnp.finfo(x.dtype).tiny))
-    return sign * (x.T @ (r * scale[:, None])) / x.shape[0]
+    return sign * (x.T @ (r * scale[:, None])) / x.shape[0], norms
 
 
 def _power_rescale(w, u, rho, iterations):
@@ -134,101 +136,275 @@ def _power_rescale(w, u, rho, iterations):
 
 
 @functools.lru_cache(maxsize=16)
-def _make_run(num_layers, batch_size, rhos, power_iterations):
+def _make_segment(num_layers, batch_size, steps_per_pass, rhos, power_iterations):
+    """The jitted DP-SBCD segment: ``length`` steps from absolute step ``first`` under one ``lax.scan``.
+
+    ``carry = (kernels, vectors, xs, us, key, step, max_grad_norm, clipped)``; ``xs[d-1]`` is
+    :math:`x_d` (d = 1..D) and ``us[d]`` is :math:`U_d` (d = 0..D-1) for all records. Cached
+    on the shapes and choices only, so repeated runs reuse the compiled function.
+    """
     D = num_layers - 1
+    b, m = batch_size, steps_per_pass
 
-    @jax.jit
-    def run(kernels, vectors, xs, us, x0, y, batches, temps, key, learning_rate, penalty, clip_norm,
-            weight_decay):
-        # xs[d] for d = 1..D (index d-1), us[d] for d = 0..D-1; batches (T, b) record indices.
-        def step(carry, inp):
-            kernels, vectors, xs, us, key = carry
-            idx, temp = inp
-            kernels, vectors, xs, us = list(kernels), list(vectors), list(xs), list(us)
-            key, sub = jax.random.split(key)
-            noise_keys = jax.random.split(sub, num_layers)
-            xb = [x0[idx]] + [x[idx] for x in xs]
-            ub = [u[idx] for u in us]
-            yb = y[idx]
-            for d in range(num_layers):
-                w = kernels[d]
-                if d >= 1:  # x-block (x_0 is the data)
-                    relu_prev = jax.nn.relu(ub[d - 1])
-                    if d < D:
-                        xb[d] = activation_update(relu_prev, ub[d], w)
-                    else:
-                        xb[d] = activation_update(relu_prev, None, w, y=yb, penalty=penalty)
-                if d < D:  # U-block
-                    ub[d] = preactivation_update(xb[d + 1], xb[d] @ w)
-                w, vectors[d] = _power_rescale(w, vectors[d], rhos[d], power_iterations)  # eq. 2
+    def step(carry, s, x0, y, order, temps, learning_rate, penalty, clip_norm, weight_decay):
+        kernels, vectors, xs, us, key, count, maxn, clipped = carry
+        kernels, vectors = list(kernels), list(vectors)
+        idx = jax.lax.dynamic_slice(order, ((s % m) * b,), (b,))
+        temp = temps[s]
+        key, sub = jax.random.split(key)
+        noise_keys = jax.random.split(sub, num_layers)
+        xb = [x0[idx]] + [x[idx] for x in xs]
+        ub = [u[idx] for u in us]
+        yb = y[idx]
+        for d in range(num_layers):
+            w = kernels[d]
+            if d >= 1:  # x-block (x_0 is the data)
+                relu_prev = jax.nn.relu(ub[d - 1])
                 if d < D:
-                    grad = _clipped_mean_grad(xb[d], ub[d] - xb[d] @ w, clip_norm, -penalty)
+                    xb[d] = activation_update(relu_prev, ub[d], w)
                 else:
-                    grad = _clipped_mean_grad(xb[d], xb[d] @ w - yb, clip_norm, 1.0)
-                noise = jax.random.normal(noise_keys[d], w.shape, w.dtype)
-                w = w - learning_rate * grad + jnp.sqrt(2.0 * learning_rate * temp).astype(w.dtype) * noise
-                kernels[d] = weight_decay_prox(w, learning_rate, weight_decay)
-            xs = [x.at[idx].set(v) for x, v in zip(xs, xb[1:])]
-            us = [u.at[idx].set(v) for u, v in zip(us, ub)]
-            return (tuple(kernels), tuple(vectors), tuple(xs), tuple(us), key), None
+                    xb[d] = activation_update(relu_prev, None, w, y=yb, penalty=penalty)
+            if d < D:  # U-block
+                ub[d] = preactivation_update(xb[d + 1], xb[d] @ w)
+            w, vectors[d] = _power_rescale(w, vectors[d], rhos[d], power_iterations)  # eq. 2
+            if d < D:
+                grad, norms = _clipped_mean_grad(xb[d], ub[d] - xb[d] @ w, clip_norm, -penalty)
+            else:
+                grad, norms = _clipped_mean_grad(xb[d], xb[d] @ w - yb, clip_norm, 1.0)
+            maxn = jnp.maximum(maxn, jnp.max(norms).astype(maxn.dtype))
+            clipped = clipped + jnp.sum(norms > clip_norm).astype(clipped.dtype)
+            noise = jax.random.normal(noise_keys[d], w.shape, w.dtype)
+            w = w - learning_rate * grad + jnp.sqrt(2.0 * learning_rate * temp).astype(w.dtype) * noise
+            kernels[d] = weight_decay_prox(w, learning_rate, weight_decay)
+        xs = tuple(x.at[idx].set(v) for x, v in zip(xs, xb[1:]))
+        us = tuple(u.at[idx].set(v) for u, v in zip(us, ub))
+        return (tuple(kernels), tuple(vectors), xs, us, key, count + 1, maxn, clipped), None
 
-        carry = (tuple(kernels), tuple(vectors), tuple(xs), tuple(us), key)
-        (kernels, vectors, _, _, _), _ = jax.lax.scan(step, carry, (batches, temps))
-        # The lifted state is dropped here: only the weights (and the public power vectors) leave.
-        return kernels, vectors
+    def segment(carry, x0, y, order, temps, first, learning_rate, penalty, clip_norm, weight_decay, *, length):
+        def body(c, s):
+            return step(c, s, x0, y, order, temps, learning_rate, penalty, clip_norm, weight_decay)
 
-    return run
+        return jax.lax.scan(body, carry, first + jnp.arange(length, dtype=jnp.int32))[0]
+
+    return jax.jit(segment, static_argnames=("length",))
 
 
-def _int(name, v, lo=1):
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-        raise ValueError(f"{name} must be a Python int >= {lo}; got {v!r}.")
-    return int(v)
+def _check_dpsbcd_arguments(**given) -> None:
+    """Refuse ``train`` options that DP-SBCD does not use (never silently ignored)."""
+    defaults = {"schedule": "fixed", "drop_remainder": True, "return_intermediates": False}
+    for name, value in given.items():
+        if value is not None and value != defaults.get(name, None):
+            hint = " (its noise is noise_temperature)" if name == "noise_multiplier" else ""
+            raise ValueError(f"{name} is not used by algorithm='dpsbcd'{hint}; leave it at its default.")
+
+
+def _reason(ledger_kw, num_layers) -> str:
+    lt = ledger_kw["prox_lipschitz"][0]
+    lf = ledger_kw["contraction"]
+    lf = f"{lf[0]:g}" if len(set(lf)) == 1 else "[" + ", ".join(f"{v:g}" for v in lf) + "]"
+    return (f"DP-SBCD (Chen & Liu 2024, Thm 4.6), final weights only, per batch position of the public order; "
+            f"summed over the {num_layers} layers as the paper claims WITHOUT PROOF (Section 4.2), and assuming "
+            f"the paper's LSI for every iterate (the spectral rescaling is left out of its analysis); "
+            f"S_g = 2C = {ledger_kw['sensitivity'][0]:g} (per-record block gradients clipped at C), "
+            f"L_T = 1/(1 + eta*weight_decay) = {lt:.6g} (exact), L_F = {lf} AS STATED by the user (Lemma 4.1 needs "
+            f"a convex beta-smooth block and eta <= 2/beta; not checked). The composition bound (every iterate "
+            f"released) needs none of these assumptions")
+
+
+def run_dpsbcd(model, x, y, x_test, y_test, *, learning_rate, noise_temperature, clip_norm, contraction,
+               weight_decay, penalty, batch_size, passes, delta, order_seed, noise_seed, steps_per_call,
+               checkpoint_dir, checkpoint_every, resume, progress, account, callback, fingerprint):
+    """Run DP-SBCD; the driver behind ``train(..., algorithm="dpsbcd")`` (arguments validated there or here)."""
+    import warnings
+
+    from flax import nnx
+
+    from .. import _validate
+    from ._ledger import NOT_PRIVATE, DPSBCDLedger, privacy_report
+    from ._loop import TrainResult, TrainState, _open_checkpoints, _plan, _resume, _segments, _to_arrays
+
+    if not isinstance(model, LipschitzMLP):
+        raise ValueError(f"model must be a jaxdp.models.LipschitzMLP (bias-free ReLU network) with "
+                         f"algorithm='dpsbcd'; got {type(model).__name__}.")
+    for name, v in (("learning_rate", learning_rate), ("noise_temperature", noise_temperature),
+                    ("clip_norm", clip_norm), ("contraction", contraction)):
+        if v is None:
+            raise ValueError(f"{name} is required with algorithm='dpsbcd' (no default: the bound depends on it).")
+    _validate.check_in_range("learning_rate", learning_rate, 0.0, math.inf, lo_open=True)
+    _validate.check_in_range("clip_norm", clip_norm, 0.0, math.inf, lo_open=True)
+    _validate.check_in_range("weight_decay", weight_decay, 0.0, math.inf)
+    _validate.check_in_range("penalty", penalty, 0.0, math.inf, lo_open=True)
+    layers = list(model.layers)
+    num_layers = len(layers)
+    k_in, k_out = layers[0].kernel[...].shape[0], layers[-1].kernel[...].shape[1]
+    if x.shape[1] != k_in:
+        raise ValueError(f"x must have {k_in} features (the model's input width); got {x.shape[1]}.")
+    if y.size and (not np.issubdtype(y.dtype, np.integer) or y.min() < 0 or y.max() >= k_out):
+        raise ValueError(f"y must hold integer labels in [0, {k_out}); got {y.dtype} in [{y.min()}, {y.max()}].")
+    plan = _plan(x.shape[0], batch_size, True)  # permute-once cyclic batches of equal size (Theorem 4.6)
+    m = plan.steps_per_pass
+    temps = np.asarray(noise_temperature, dtype=np.float64)
+    if temps.ndim == 0:
+        temps = np.full(passes, float(temps))
+    elif passes not in (1, temps.shape[0]):
+        raise ValueError(f"passes must equal the length of noise_temperature ({temps.shape[0]}, one entry per "
+                         f"pass) or be left at 1; got {passes}.")
+    passes = int(temps.shape[0]) if temps.ndim else passes
+    contraction = np.asarray(contraction, dtype=np.float64)
+    if contraction.ndim > 1 or contraction.size not in (1, num_layers):
+        raise ValueError(f"contraction must be one value or one per layer ({num_layers}); got shape "
+                         f"{contraction.shape}.")
+    lt = 1.0 / (1.0 + float(learning_rate) * float(weight_decay))
+    ledger_kw = dict(learning_rate=float(learning_rate), noise_temperature=temps.tolist(),
+                     sensitivity=[2.0 * float(clip_norm)] * num_layers,
+                     contraction=np.broadcast_to(contraction, (num_layers,)).tolist(),
+                     prox_lipschitz=[lt] * num_layers)
+    # The accountant's checks, in NumPy (its eager computation would cost seconds of compilation).
+    bad = ~(np.isfinite(temps) & (temps > 0))
+    if np.any(bad):
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"noise_temperature must be > 0 and finite at every step (a schedule that goes negative or "
+                         f"to zero has no privacy); got {temps[idx]:g} at index {idx}.")
+    if temps.ndim not in (1, 2) or (temps.ndim == 2 and temps.shape[1] != m):
+        raise ValueError(f"noise_temperature must have shape (passes,) or (passes, {m}) (one per step of each pass, "
+                         f"{m} = number of records // batch_size); got shape {temps.shape}.")
+    _validate.check_in_range("contraction", contraction, 0.0, math.inf, lo_open=True)
+    if steps_per_call is None:
+        steps_per_call = m
+    if isinstance(steps_per_call, bool) or not isinstance(steps_per_call, (int, np.integer)) or steps_per_call < 1:
+        raise ValueError(f"steps_per_call must be a positive integer; got {steps_per_call!r}.")
+    if checkpoint_every is None:
+        checkpoint_every = m
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, (int, np.integer)) or checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every must be a positive integer; got {checkpoint_every!r}.")
+    total = passes * m
+
+    graphdef, params0, rest = nnx.split(model, nnx.Param, ...)
+    pdtype = layers[0].kernel[...].dtype
+    config = {
+        "format": 1, "algorithm": "dpsbcd", "model": type(model).__qualname__,
+        "params": str(jax.tree.map(lambda a: (tuple(a.shape), str(a.dtype)), params0)), "data": fingerprint,
+        "rhos": [float(layer.max_spectral_norm) for layer in layers],
+        "power_iterations": int(layers[0].power_iterations), "clip_norm": float(clip_norm),
+        "weight_decay": float(weight_decay), "penalty": float(penalty), "batch_size": int(batch_size),
+        "delta": float(delta), "order_seed": int(order_seed), "steps_per_call": int(steps_per_call), **ledger_kw,
+    }
+    ckpt = _open_checkpoints(checkpoint_dir, resume)
+    if noise_seed is not None:
+        warnings.warn(f"noise_seed is fixed: {NOT_PRIVATE}.", UserWarning, stacklevel=3)
+    ledger = DPSBCDLedger(
+        analysis="dpsbcd", reason=_reason(ledger_kw, num_layers), **ledger_kw, clip_norm=float(clip_norm),
+        weight_decay=float(weight_decay), penalty=float(penalty), records=plan.records,
+        unused=plan.n_total - plan.records, batch_size=int(batch_size), passes=passes, steps_per_pass=m,
+        total_steps=total, steps_done=0, delta=float(delta), order_seed=int(order_seed),
+        fixed_noise_seed=noise_seed is not None, max_grad_norm=0.0)
+
+    X = jnp.asarray(x, dtype=pdtype)
+    Y = jnp.asarray(np.eye(k_out, dtype=np.dtype(pdtype))[y])
+    kernels = tuple(layer.kernel[...] for layer in layers)
+    vectors = tuple(layer.power_vector[...] for layer in layers)
+    # Lifted variables start at a forward pass of the start weights (the paper leaves it open).
+    xs, us, h = [], [], X
+    for w in kernels[:-1]:
+        us.append(h @ w)
+        h = jax.nn.relu(us[-1])
+        xs.append(h)
+    order = jax.random.permutation(jax.random.key(int(order_seed)), plan.n_total).astype(jnp.int32)
+    state = TrainState(params=kernels, opt_state=(vectors, tuple(xs), tuple(us), _secret_key(noise_seed)),
+                       step=jnp.zeros((), jnp.int32), order=order, total_steps=jnp.asarray(total, jnp.int32),
+                       max_grad_norm=jnp.zeros((), jnp.float32), clipped=jnp.zeros((), jnp.int32), ledger=ledger)
+    state = _resume(ckpt, state, config, checkpoint_dir, DPSBCDLedger)
+
+    segment = _make_segment(num_layers, int(batch_size), m, tuple(float(layer.max_spectral_norm) for layer in layers),
+                            int(layers[0].power_iterations))
+    step_temps = jnp.asarray((np.repeat(temps[:, None], m, axis=1) if temps.ndim == 1 else temps).reshape(-1),
+                             pdtype)
+    scalars = tuple(jnp.asarray(v, pdtype) for v in (learning_rate, penalty, clip_norm, weight_decay))
+
+    start = int(state.step)
+    pbar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        pbar = tqdm(total=total, initial=start, desc="DP-SBCD", unit="step", leave=True)
+        if account:  # the release's guarantee is fixed in advance: shown once (the same compiled shape as the end)
+            planned = privacy_report(state.ledger._replace(steps_done=total)).summary()["worst"]
+            pbar.set_postfix_str(f"eps at the end {planned:.3g} (worst position)")
+    history: list = []
+    last_saved = start
+    t0 = time.perf_counter()
+    try:
+        for first, length, _ in _segments(start, total, plan, int(steps_per_call)):
+            vecs, xs, us, key = state.opt_state
+            carry = (state.params, vecs, xs, us, key, state.step, state.max_grad_norm, state.clipped)
+            carry = segment(carry, X, Y, state.order, step_temps, jnp.asarray(first, jnp.int32), *scalars,
+                            length=length)
+            steps_done = int(carry[5])
+            led = state.ledger._replace(steps_done=steps_done, max_grad_norm=float(carry[6]))
+            state = state._replace(params=carry[0], opt_state=carry[1:5], step=carry[5], max_grad_norm=carry[6],
+                                   clipped=carry[7], ledger=led)
+            done = steps_done >= total
+            if ckpt is not None and (done or steps_done - last_saved >= checkpoint_every):
+                ckpt.save_train(steps_done, _to_arrays(state), {"ledger": led.to_json(), "config": config})
+                last_saved = steps_done
+            if pbar is not None:
+                pbar.update(length)
+            if callback is not None:
+                callback(state)
+    finally:
+        if pbar is not None:
+            pbar.close()
+        if ckpt is not None:
+            ckpt.close()
+    seconds = time.perf_counter() - t0
+
+    trained = nnx.merge(graphdef, params0, rest)  # a new module: the input is untouched
+    for layer, w, u in zip(trained.layers, state.params, state.opt_state[0]):
+        layer.kernel[...] = w
+        layer.power_vector[...] = u
+    trained.rescale()  # eq. 2 once more on the released weights (post-processing)
+    report = privacy_report(state.ledger) if account else None
+    if report is not None:
+        history.append((int(state.step), report.summary()))
+    if progress and report is not None:
+        worst = report.summary()["worst"]
+        head = f"{NOT_PRIVATE}\n" if report.not_private else ""
+        print(f"{head}guarantee of the released model: epsilon = {worst:.4g} at delta = {report.delta:g} for every "
+              f"record (worst batch position), by {report.analysis}\n  assumptions: {report.reason}")
+        print(report.table())
+    test_acc = None
+    if x_test is not None and len(x_test):
+        test_acc = accuracy(trained, np.asarray(x_test, dtype=np.dtype(pdtype)), np.asarray(y_test))
+    return TrainResult(trained, state, report, test_acc, None, history, seconds)
 
 
 def train_dpsbcd(model: LipschitzMLP, data, *, learning_rate: float, noise_temperature, clip_norm: float,
                  contraction, batch_size: int, delta: float, weight_decay: float = 0.0, penalty: float = 1.0,
                  order_seed: int = 0, noise_seed: int | None = None) -> DPSBCDResult:
-    r"""Train a :class:`~jaxdp.models.LipschitzMLP` by DP-SBCD and account for the released weights.
+    r"""Shortcut: ``train(model, data, algorithm="dpsbcd", ...)`` without progress output, as a :class:`DPSBCDResult`.
 
-    See the module docstring for the updates. The guarantee is
-    :func:`~jaxdp.accounting.dpsbcd_epsilon` with :math:`S_g = 2C` (replace-one; the clipped
-    per-record gradients differ by at most 2C), :math:`L_T = 1/(1 + ηλ)` (exact for the
-    weight-decay prox), ``contraction`` :math:`L_F` **as you state it** (Lemma 4.1:
-    :math:`L_F = \max(|1-ηω|, |1-ηβ|)` for a convex β-smooth block, so 1 when
-    :math:`η ≤ 2/β`; clipping and the unbounded lifted activations are outside that lemma),
-    ``num_records`` :math:`m b` and the same schedule for every layer, summed over the
-    layers **as Chen & Liu claim without proof** (see
-    :func:`~jaxdp.accounting.dpsbcd_rdp`).
-
-    This is a standalone driver, not ``train(algorithm=...)``: the update is not an optax
-    transformation of a model-loss gradient; it needs per-record lifted state for all n
-    records, closed-form block updates and the network's layer structure.
+    The same run as :func:`~jaxdp.training.train` with ``algorithm="dpsbcd"`` (one loop:
+    this function only forwards its arguments and repackages the result; use ``train`` for
+    checkpoints, resume, progress and the full :class:`~jaxdp.training.PrivacyReport`). See
+    the module docstring for the updates and ``train`` for the guarantee.
 
     Args:
-      model: a :class:`~jaxdp.models.LipschitzMLP` (its kernels are the start; its ρ per layer
-        and power iterations are used). Start weights must not depend on the data.
+      model: a :class:`~jaxdp.models.LipschitzMLP` (its kernels are the start, not modified).
       data: a :class:`jaxdp.data.Dataset` or ``(x, y)`` with integer labels in [0, K).
       learning_rate: η > 0.
-      noise_temperature: o > 0 per pass ``(passes,)`` or per step ``(passes, n // b)``; the
-        weight noise is :math:`N(0, 2η\,o\,I)`. Fixed in advance (never data-dependent).
-      clip_norm: C > 0, per-record gradient clip of every block.
-      contraction: :math:`L_F > 0` of every block's gradient map (required; one value or one
-        per layer).
+      noise_temperature: o > 0 per pass ``(passes,)`` or per step ``(passes, n // b)``.
+      clip_norm: C > 0.
+      contraction: :math:`L_F > 0` (required; one value or one per layer).
       batch_size: b ≥ 1, at most n.
-      delta: δ in (0, 1) of the reported ε.
-      weight_decay: λ ≥ 0 of the proximal term (0: plain step, :math:`L_T = 1`).
-      penalty: γ > 0 of the lifted objective (the paper uses 1).
-      order_seed: public seed of the one permutation.
+      delta: δ in (0, 1).
+      weight_decay: λ ≥ 0. penalty: γ > 0. order_seed: public seed of the permutation.
       noise_seed: a fixed noise key (the run is then NOT private); default OS entropy.
 
     Returns:
-      :class:`DPSBCDResult`.
+      :class:`DPSBCDResult` (``epsilon`` is the worst record position's, the release's guarantee).
 
     References:
-      C. Chen, D. Liu, arXiv:2407.08233v1 (2024), Algorithms 1-2, eqs. 2, 4-8, Theorem 4.6;
-      J. Zeng et al., "Global convergence of block coordinate descent in deep learning",
-      ICML 2019 (the lifted objective and the ReLU update).
+      C. Chen, D. Liu, arXiv:2407.08233v1 (2024), Algorithms 1-2, eqs. 2, 4-8, Theorem 4.6.
 
     Examples:
       >>> import numpy as np
@@ -242,70 +418,12 @@ def train_dpsbcd(model: LipschitzMLP, data, *, learning_rate: float, noise_tempe
       >>> bool(np.isfinite(res.epsilon))
       True
     """
-    if not isinstance(model, LipschitzMLP):
-        raise ValueError(f"model must be a jaxdp.models.LipschitzMLP (bias-free ReLU network); "
-                         f"got {type(model).__name__}.")
-    x, y, x_test, y_test, _, _ = _unpack_data(data)
-    x = np.asarray(x, dtype=np.float32)
-    y = np.asarray(y)
-    if x.ndim != 2 or y.shape != (x.shape[0],):
-        raise ValueError(f"data must be x of shape (n, features) and integer labels y of shape (n,); got "
-                         f"{x.shape} and {y.shape}.")
-    n = x.shape[0]
-    batch_size = _int("batch_size", batch_size)
-    if batch_size > n:
-        raise ValueError(f"batch_size must be <= the number of records {n}; got {batch_size}.")
-    for name, v, lo_open in (("learning_rate", learning_rate, True), ("clip_norm", clip_norm, True),
-                             ("penalty", penalty, True), ("weight_decay", weight_decay, False)):
-        fv = float(v)
-        if not math.isfinite(fv) or fv < 0 or (lo_open and fv == 0):
-            raise ValueError(f"{name} must be finite and {'> 0' if lo_open else '>= 0'}; got {v!r}.")
-    layers = list(model.layers)
-    num_layers = len(layers)
-    k_out = layers[-1].kernel[...].shape[1]
-    if y.size and (y.min() < 0 or y.max() >= k_out or not np.issubdtype(y.dtype, np.integer)):
-        raise ValueError(f"y must hold integer labels in [0, {k_out}); got range [{y.min()}, {y.max()}].")
-    m = n // batch_size
-    temps = np.asarray(noise_temperature, dtype=np.float64)
-    if temps.ndim == 1:
-        temps = np.repeat(temps[:, None], m, axis=1)
-    # The accountant validates the schedule (shape, > 0) and the constants, naming them.
-    event = accounting.DPSBCD(np.asarray(noise_temperature, dtype=np.float64), float(learning_rate),
-                              np.full(num_layers, 2.0 * float(clip_norm)),
-                              np.broadcast_to(np.asarray(contraction, dtype=np.float64), (num_layers,)).copy(),
-                              np.full(num_layers, 1.0 / (1.0 + float(learning_rate) * float(weight_decay))),
-                              num_records=m * batch_size, batch_size=batch_size)
-    eps = float(accounting.epsilon(event, delta))
-    passes = temps.shape[0]
+    from ._loop import train
 
-    start = time.perf_counter()
-    perm = np.random.default_rng(order_seed).permutation(n)[: m * batch_size].reshape(m, batch_size)
-    batches = np.tile(perm, (passes, 1))
-    onehot = np.eye(k_out, dtype=np.float32)[y]
-    kernels = tuple(layer.kernel[...] for layer in layers)
-    vectors = tuple(layer.power_vector[...] for layer in layers)
-    # Lifted variables start at a forward pass of the start weights (the paper leaves it open).
-    xs, us, h = [], [], jnp.asarray(x)
-    for d, w in enumerate(kernels):
-        u = h @ w
-        if d < num_layers - 1:
-            us.append(u)
-            h = jax.nn.relu(u)
-            xs.append(h)
-    run = _make_run(num_layers, batch_size, tuple(layer.max_spectral_norm for layer in layers),
-                    layers[0].power_iterations)
-    key = _secret_key(noise_seed)
-    kernels, vectors = run(kernels, vectors, tuple(xs), tuple(us), jnp.asarray(x), jnp.asarray(onehot),
-                           jnp.asarray(batches), jnp.asarray(temps.reshape(-1), jnp.float32), key,
-                           jnp.float32(learning_rate), jnp.float32(penalty), jnp.float32(clip_norm),
-                           jnp.float32(weight_decay))
-    del key
-    for layer, w, u in zip(layers, kernels, vectors):
-        layer.kernel[...] = w
-        layer.power_vector[...] = u
-    model.rescale()  # eq. 2 once more on the released weights (post-processing)
-    jax.block_until_ready(layers[-1].kernel[...])
-    seconds = time.perf_counter() - start
-    test_acc = None if x_test is None else accuracy(model, np.asarray(x_test, np.float32), np.asarray(y_test))
-    return DPSBCDResult(model, eps, float(delta), event, test_acc, seconds)
-
+    res = train(model, data, algorithm="dpsbcd", learning_rate=learning_rate, noise_temperature=noise_temperature,
+                clip_norm=clip_norm, contraction=contraction, batch_size=batch_size, delta=delta,
+                weight_decay=weight_decay, penalty=penalty, order_seed=order_seed, noise_seed=noise_seed,
+                progress=False)
+    rep = res.privacy
+    return DPSBCDResult(res.model, rep.summary()["worst"], float(delta), res.state.ledger.event(), res.test_accuracy,
+                        res.seconds)

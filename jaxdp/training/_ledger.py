@@ -28,12 +28,13 @@ Which guarantee is reported:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["DPSGDLedger", "PrivacyLedger", "PrivacyReport", "privacy_report"]
+__all__ = ["DPSBCDLedger", "DPSGDLedger", "PrivacyLedger", "PrivacyReport", "privacy_report"]
 
 _HIDDEN = "hidden-state"
 _STOP = "random-stop"
@@ -302,11 +303,12 @@ def _stop_epsilons(ledger: PrivacyLedger) -> dict[str, np.ndarray]:
     return {"random-stop (Thm 5)": thm5[record_batch], "random-stop (Thm 26)": thm26[record_batch]}
 
 
-def privacy_report(ledger: PrivacyLedger | DPSGDLedger, accountant: str = "rdp") -> PrivacyReport:
+def privacy_report(ledger: PrivacyLedger | DPSGDLedger | DPSBCDLedger, accountant: str = "rdp") -> PrivacyReport:
     r"""ε per record position for the steps recorded in ``ledger``.
 
     A :class:`DPSGDLedger` gives DP-SGD's guarantee, the same for every record:
-    ``dpsgd_epsilon(q, noise_multiplier, steps_done, delta)``. For a PNSGD ledger:
+    ``dpsgd_epsilon(q, noise_multiplier, steps_done, delta)``. A :class:`DPSBCDLedger` gives
+    DP-SBCD's hidden-state bound per batch position (see there). For a PNSGD ledger:
 
     With :math:`s` steps done, :math:`m` steps per pass, :math:`s = pm + t`:
 
@@ -348,6 +350,10 @@ def privacy_report(ledger: PrivacyLedger | DPSGDLedger, accountant: str = "rdp")
     """
     if isinstance(ledger, DPSGDLedger):
         return _dpsgd_report(ledger, accountant)
+    if isinstance(ledger, DPSBCDLedger):
+        if accountant != "rdp":
+            raise ValueError(f"accountant={accountant!r} covers DP-SGD ledgers only; DP-SBCD reports use RDP.")
+        return _dpsbcd_report(ledger)
     if accountant != "rdp":
         raise ValueError(f"accountant={accountant!r} covers DP-SGD ledgers only; PNSGD reports use their own analyses.")
     return _report(ledger)._replace(not_private=bool(ledger.fixed_noise_seed))
@@ -489,3 +495,177 @@ def _dpsgd_report(ledger: DPSGDLedger, accountant: str = "rdp") -> PrivacyReport
         by = {"dpsgd (sampled Gaussian PLD, upper bound)": values, **by}
     return PrivacyReport(_DPSGD, ledger.reason, ledger.delta, ledger.steps_done, positions, values, values, None,
                          by, 0, True, bool(ledger.fixed_noise_seed))
+
+
+# ----------------------------------------------------------------------------------------
+# DP-SBCD runs
+# ----------------------------------------------------------------------------------------
+
+_DPSBCD = "dpsbcd"
+_DPSBCD_HIDDEN = "dpsbcd hidden-state (Chen & Liu Thm 4.6, layers summed)"
+_DPSBCD_COMPOSITION = "composition"
+
+
+class DPSBCDLedger(NamedTuple):
+    r"""What a DP-SBCD run has spent, in the accountant's terms (JSON-serialisable).
+
+    The reported guarantee is :func:`jaxdp.accounting.dpsbcd_rdp` **per batch position**
+    (``batch_index`` :math:`j_0`, the record's batch in the public order) over the passes
+    done, converted with :func:`jaxdp.accounting.rdp_to_epsilon`; the worst position is
+    the release's guarantee. The order comes from the public ``order_seed``, so the
+    paper's mixture over a uniformly random :math:`j_0` (:func:`~jaxdp.accounting.dpsbcd_epsilon`,
+    Theorem 4.6) does not apply: the worst position is at least that value. It rests on
+    the paper's **unproven per-layer summation** and its LSI assumption (see
+    :func:`~jaxdp.accounting.dpsbcd_rdp`). The report also lists the composition bound
+    (every iterate released: each layer's step is a Gaussian mechanism with sensitivity
+    :math:`S_g/b`, composed over layers and uses), which needs neither assumption.
+
+    Attributes:
+      analysis: ``"dpsbcd"``.
+      reason: the assumptions, for the report.
+      learning_rate: η.
+      noise_temperature: o, per pass ``[passes]`` or per step ``[passes][steps_per_pass]``.
+      sensitivity: :math:`S_g = 2C` per layer.
+      contraction: :math:`L_F` per layer, as stated by the user.
+      prox_lipschitz: :math:`L_T = 1/(1 + ηλ)` per layer.
+      clip_norm: :math:`C`.
+      weight_decay: λ.
+      penalty: γ of the lifted objective.
+      records: records used per pass (:math:`m b`).
+      unused: records never used (the :math:`n \bmod b` left over), ε = 0.
+      batch_size: b.
+      passes: planned passes.
+      steps_per_pass: :math:`m = \lfloor n/b\rfloor`.
+      total_steps: ``passes·m``.
+      steps_done: steps done so far.
+      delta: target δ.
+      order_seed: public seed of the one permutation.
+      fixed_noise_seed: ``True`` when the noise came from a fixed seed (then **not private**).
+      max_grad_norm: largest unclipped per-record block gradient norm seen so far.
+    """
+
+    analysis: str
+    reason: str
+    learning_rate: float
+    noise_temperature: list
+    sensitivity: list
+    contraction: list
+    prox_lipschitz: list
+    clip_norm: float
+    weight_decay: float
+    penalty: float
+    records: int
+    unused: int
+    batch_size: int
+    passes: int
+    steps_per_pass: int
+    total_steps: int
+    steps_done: int
+    delta: float
+    order_seed: int
+    fixed_noise_seed: bool
+    max_grad_norm: float
+
+    def to_json(self) -> dict[str, Any]:
+        """The ledger as a JSON-ready dict."""
+        return dict(self._asdict())
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> DPSBCDLedger:
+        """Inverse of :meth:`to_json`."""
+        return cls(**{k: data[k] for k in cls._fields})
+
+    def event(self, passes: int | None = None):
+        """The :class:`~jaxdp.accounting.DPSBCD` event of the first ``passes`` passes (default: all planned)."""
+        from ..accounting import DPSBCD
+
+        p = self.passes if passes is None else int(passes)
+        return DPSBCD(np.asarray(self.noise_temperature, np.float64)[:p], float(self.learning_rate),
+                      np.asarray(self.sensitivity, np.float64), np.asarray(self.contraction, np.float64),
+                      np.asarray(self.prox_lipschitz, np.float64), num_records=int(self.records),
+                      batch_size=int(self.batch_size))
+
+
+@functools.lru_cache(maxsize=8)
+def _dpsbcd_epsilons_fn(num_layers: int, passes: int, per_step: bool, num_records: int, batch_size: int):
+    """A jitted ``(temps, eta, sensitivity, contraction, prox_lipschitz, used, delta) -> (hidden, composition)``.
+
+    Both are ε per batch position, shape ``(m,)``; ``used`` is the ``(passes, m)`` mask of
+    the steps done (composition). One compiled call instead of many eager ones (cached on
+    shapes only; traced inside an x64 scope, so float64 throughout).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from ..accounting import DEFAULT_ORDERS, dpsbcd_rdp, rdp_to_epsilon
+
+    m = num_records // batch_size
+    orders = np.asarray(DEFAULT_ORDERS, np.float64)
+
+    def fn(temps, eta, sensitivity, contraction, prox_lipschitz, used, delta):
+        kw = dict(learning_rate=eta, sensitivity=sensitivity, contraction=contraction, prox_lipschitz=prox_lipschitz,
+                  num_records=num_records, batch_size=batch_size)
+        # The per-position RDP is linear in the order, α·c_j: one order gives c_j.
+        c = jnp.stack([dpsbcd_rdp([2.0], temps, batch_index=j, **kw)[0] / 2.0 for j in range(m)])
+        per_step_temps = temps if per_step else jnp.repeat(temps[:, None], m, axis=1)
+        # Composition: each use is, per layer, a Gaussian mechanism with RDP α ηS²/(4b²o)
+        # (noise std sqrt(2ηo) on a step moved by ηS/b), summed over layers and uses.
+        comp = jnp.sum(jnp.where(used, eta * jnp.sum(sensitivity**2) / (4.0 * batch_size**2 * per_step_temps), 0.0),
+                       axis=0)
+
+        def eps(cj):
+            return rdp_to_epsilon(orders * cj, orders, delta).epsilon
+
+        return jax.vmap(eps)(c), jnp.where(comp > 0, jax.vmap(eps)(comp), 0.0)
+
+    return jax.jit(fn)
+
+
+def _dpsbcd_report(ledger: DPSBCDLedger) -> PrivacyReport:
+    r"""ε per record position of a DP-SBCD run after ``steps_done`` steps.
+
+    At a pass boundary (:math:`p` passes done): the hidden-state bound of the first
+    :math:`p` passes for the record's batch position, and the composition bound
+    :math:`ρ(α) = α\sum_{\text{layers}}\sum_{k<p} ηS_g^2/(4b^2o_{km+j_0})` (the Gaussian
+    mechanism of every touching step; no LSI, no per-layer assumption). Inside a pass no
+    hidden-state bound is certified (``exact=False``): composition over the steps done.
+    """
+    import jax
+
+    n, b, m = ledger.records, ledger.batch_size, ledger.steps_per_pass
+    positions = np.arange(1, n + 1)
+    s = int(ledger.steps_done)
+    p, t = divmod(s, m)
+    record_batch = np.arange(n) // b
+    temps = np.asarray(ledger.noise_temperature, np.float64)
+    used = np.zeros((ledger.passes, m), bool)
+    used.reshape(-1)[:s] = True
+    sens = np.asarray(ledger.sensitivity, np.float64)
+    fn = _dpsbcd_epsilons_fn(sens.size, ledger.passes, temps.ndim == 2, n, b)
+    args = (float(ledger.learning_rate), sens, np.asarray(ledger.contraction, np.float64),
+            np.asarray(ledger.prox_lipschitz, np.float64))
+    with jax.enable_x64(True):
+        # All planned passes (one compiled shape; steps not done are masked for composition). The
+        # hidden-state bound of the first p < passes passes needs its own shape.
+        hid, comp = fn(temps, *args, used, float(ledger.delta))
+        if 0 < p < ledger.passes and t == 0:
+            fn_p = _dpsbcd_epsilons_fn(sens.size, p, temps.ndim == 2, n, b)
+            hid, _ = fn_p(temps[:p], *args, used[:p], float(ledger.delta))
+    comp = np.asarray(comp, np.float64)[record_batch]
+    exact = t == 0
+    if s == 0:
+        hidden = np.zeros(n)
+    elif exact:
+        # The hidden-state bound never exceeds composition in exact arithmetic; keep the smaller.
+        hidden = np.minimum(np.asarray(hid, np.float64)[record_batch], comp)
+    else:
+        hidden = None
+    if hidden is None:
+        by = {_DPSBCD_COMPOSITION: comp}
+        analysis, reason = _DPSBCD_COMPOSITION, "mid-pass (hidden-state bound at pass ends only); " + ledger.reason
+        eps = comp
+    else:
+        by = {_DPSBCD_HIDDEN: hidden, _DPSBCD_COMPOSITION: comp}
+        analysis, reason, eps = _DPSBCD, ledger.reason, hidden
+    return PrivacyReport(analysis, reason, ledger.delta, s, positions, eps, comp, hidden, by, ledger.unused, exact,
+                         bool(ledger.fixed_noise_seed))

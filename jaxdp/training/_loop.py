@@ -50,7 +50,7 @@ from ._transforms import _check_batch_size, _learning_rate_fn, pnsgd, pnsgd_nois
 __all__ = ["TrainResult", "TrainState", "accuracy", "train"]
 
 _SCHEDULES = ("fixed", "random_stop")
-_ALGORITHMS = ("pnsgd", "dpsgd")
+_ALGORITHMS = ("pnsgd", "dpsgd", "dpsbcd")
 _FORMAT = 2  # 2: order_seed and a secret noise key replace the single seed
 
 
@@ -309,7 +309,7 @@ def train(
     *,
     algorithm: str = "pnsgd",
     learning_rate: float | None = None,
-    noise_multiplier: float,
+    noise_multiplier: float | None = None,
     radius: float | None = None,
     optimizer: optax.GradientTransformation | None = None,
     batch_size: int = 64,
@@ -335,8 +335,12 @@ def train(
     callback: Callable[[TrainState], None] | None = None,
     use_fast_path: bool | None = None,
     devices=None,
+    noise_temperature=None,
+    contraction=None,
+    weight_decay: float = 0.0,
+    penalty: float = 1.0,
 ) -> TrainResult:
-    r"""Train ``model`` privately, by PNSGD (hidden-state, per-record ε) or DP-SGD, and account ε.
+    r"""Train ``model`` privately, by PNSGD (hidden-state, per-record ε), DP-SGD or DP-SBCD, and account ε.
 
     ``algorithm="dpsgd"``: DP-SGD with true Poisson sampling (rate :math:`q = b/N`, with
     ``batch_size`` the expected batch size :math:`b`), per-example clipping at ``clip_norm``,
@@ -344,6 +348,14 @@ def train(
     :math:`C`, as in Opacus) and ``optimizer`` (default ``optax.sgd(learning_rate)``), for
     ``passes``·:math:`\lceil N/b\rceil` steps; any model; ε is
     ``dpsgd_epsilon(q, ν, steps, δ)`` for every record (:class:`~jaxdp.training.DPSGDLedger`).
+    ``algorithm="dpsbcd"``: DP-SBCD (Chen & Liu 2024) of a :class:`~jaxdp.models.LipschitzMLP`:
+    closed-form activation blocks and noisy proximal weight steps
+    :math:`W ← (W − η\bar g + N(0, 2η\,o_t I))/(1 + ηλ)` over permute-once cyclic batches,
+    ``noise_temperature`` :math:`o` per pass or per step, per-record block gradients clipped at
+    ``clip_norm``, final weights released; ε per record position is the paper's hidden-state
+    bound for the record's batch (:class:`~jaxdp.training.DPSBCDLedger`), which **sums the
+    layers without proof** and needs ``contraction`` :math:`L_F` as you state it (details in
+    :mod:`jaxdp.training._dpsbcd` and ``docs/dpsbcd.md``).
     The rest of this docstring describes ``algorithm="pnsgd"`` (the default).
 
     **Update.** For :math:`t = 0, 1, \dots`, with batch :math:`B_t` (consecutive blocks of
@@ -410,7 +422,7 @@ def train(
 
     Args:
       model: Flax NNX module whose ``nnx.Param`` variables are trained (not modified).
-      algorithm: ``"pnsgd"`` (default) or ``"dpsgd"``.
+      algorithm: ``"pnsgd"`` (default), ``"dpsgd"`` or ``"dpsbcd"``.
       optimizer: DP-SGD only: any optax optimizer applied to the noisy averaged gradient
         (post-processing); default ``optax.sgd(learning_rate)``.
       data: :class:`jaxdp.data.Dataset` (its ``feature_norm_bound`` gives the convex
@@ -419,7 +431,8 @@ def train(
       learning_rate: :math:`\eta > 0`, a 1-D array of per-step rates, or an optax schedule
         (see above); for convex models the library's step-size rule
         :math:`\eta_t \le 2/(\beta + \rho)` at every step.
-      noise_multiplier: :math:`\nu > 0` (noise std over the sensitivity :math:`2C/b`).
+      noise_multiplier: :math:`\nu > 0` (noise std over the sensitivity :math:`2C/b`); required
+        except with ``algorithm="dpsbcd"`` (whose noise is ``noise_temperature``).
       radius: :math:`R > 0` of the parameter ball; the accountant's :math:`D = 2R`.
       batch_size: :math:`b`, 1 to the number of training examples.
       passes: :math:`k \ge 1` (``schedule="fixed"``; must be 1 for random stopping).
@@ -470,6 +483,12 @@ def train(
         from the one replicated key (the same draw as on one device), so the guarantee and
         the ledger are unchanged and the result equals the one-device run up to float
         rounding. Multi-host: README, "Multiple devices and hosts".
+      noise_temperature: DP-SBCD only (required): :math:`o > 0`, shape ``(passes,)`` or
+        ``(passes, n // b)``; the weight noise is :math:`N(0, 2η\,o\,I)`.
+      contraction: DP-SBCD only (required): :math:`L_F > 0` of every block's gradient map,
+        one value or one per layer (no default: the paper states none).
+      weight_decay: DP-SBCD only: λ ≥ 0 of the proximal step (:math:`L_T = 1/(1+ηλ)`).
+      penalty: DP-SBCD only: γ > 0 of the lifted objective (the paper uses 1).
 
     Returns:
       :class:`TrainResult`.
@@ -501,6 +520,22 @@ def train(
     if not isinstance(model, nnx.Module):
         raise ValueError(f"model must be a Flax NNX module; got {type(model).__name__}.")
     _validate.check_static_choice("algorithm", algorithm, _ALGORITHMS)
+    if algorithm == "dpsbcd" and devices is not None:
+        raise ValueError("devices is not supported with algorithm='dpsbcd' (its per-record block updates run "
+                         "on one device); leave devices=None.")
+    if algorithm == "dpsbcd":
+        from ._dpsbcd import _check_dpsbcd_arguments
+
+        _check_dpsbcd_arguments(noise_multiplier=noise_multiplier, radius=radius, optimizer=optimizer,
+                                schedule=schedule, loss_fn=loss_fn, lipschitz=lipschitz, smoothness=smoothness,
+                                strong_convexity=strong_convexity, convex=convex, drop_remainder=drop_remainder,
+                                return_intermediates=return_intermediates, use_fast_path=use_fast_path)
+    else:
+        if noise_multiplier is None:
+            raise ValueError(f"noise_multiplier is required with algorithm={algorithm!r}.")
+        for name, value in (("noise_temperature", noise_temperature), ("contraction", contraction)):
+            if value is not None:
+                raise ValueError(f"{name} is for algorithm='dpsbcd'; got algorithm={algorithm!r}.")
     if algorithm == "pnsgd":
         if learning_rate is None or radius is None:
             raise ValueError("learning_rate and radius are required with algorithm='pnsgd'.")
@@ -509,7 +544,8 @@ def train(
         if not _is_schedule(learning_rate):  # a schedule is checked step by step by the plan
             _validate.check_in_range("learning_rate", learning_rate, 0.0, math.inf, lo_open=True)
         _validate.check_in_range("radius", radius, 0.0, math.inf, lo_open=True)
-    _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True)
+    if algorithm != "dpsbcd":
+        _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True)
     _validate.check_delta(delta)
     if strong_convexity is not None:
         _validate.check_in_range("strong_convexity", strong_convexity, 0.0, math.inf)
@@ -548,6 +584,15 @@ def train(
     if mesh is not None:
         _check_same_data(_fingerprint(x, y))
 
+    if algorithm == "dpsbcd":
+        from ._dpsbcd import run_dpsbcd
+
+        return run_dpsbcd(
+            model, x, y, x_test, y_test, learning_rate=learning_rate, noise_temperature=noise_temperature,
+            clip_norm=clip_norm, contraction=contraction, weight_decay=weight_decay, penalty=penalty,
+            batch_size=batch_size, passes=passes, delta=delta, order_seed=order_seed, noise_seed=noise_seed,
+            steps_per_call=steps_per_call, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+            resume=resume, progress=progress, account=account, callback=callback, fingerprint=_fingerprint(x, y))
     if algorithm == "dpsgd":
         from ._dpsgd_loop import train_dpsgd
 
