@@ -360,3 +360,13 @@ def test_json_output_is_strict_for_non_finite_numbers(capsys):
 
     payload = json.loads(capsys.readouterr().out, parse_constant=refuse)
     assert payload == {"epsilon": "inf", "rows": ["-inf", 1.5], "x": "nan"}
+
+
+def test_train_devices_option_is_checked_before_training(capsys):
+    assert main(["train", "--smoke", "--devices", "0", "--plot", "none"]) == 2
+    assert "--devices must be an integer >= 1" in capsys.readouterr().err
+    assert main(["train", "--smoke", "--devices", "4096", "--plot", "none"]) == 2
+    err = capsys.readouterr().err
+    assert "--devices must be an integer in [1," in err and "Traceback" not in err
+    assert main(["train", "--smoke", "--algorithm", "dpsbcd", "--model", "mlp", "--devices", "1"]) == 2
+    assert "not supported with --algorithm dpsbcd" in capsys.readouterr().err

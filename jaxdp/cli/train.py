@@ -77,6 +77,9 @@ def add_parser(sub) -> None:
                         "then NOT private (by default that key comes from the OS entropy and is never shown)")
     p.add_argument("--schedule", choices=("fixed", "random-stop"), default="fixed",
                    help="fixed passes (default) or one pass stopped at a uniform random step")
+    p.add_argument("--devices", type=int, default=None, metavar="K",
+                   help="data parallelism over the first K devices (pnsgd and dpsgd; noise drawn once for the "
+                        "global batch; default: one device)")
     p.add_argument("--checkpoint-dir", default=None, help="save atomic checkpoints here (every pass)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     p.add_argument("--plot", metavar="FILE", default="jaxdp_train.png",
@@ -88,7 +91,8 @@ def add_parser(sub) -> None:
 
 def _cli_message(msg: str) -> str:
     return (option_message(msg).replace("resume=True", "--resume").replace("checkpoint_dir", "--checkpoint-dir")
-            .replace("schedule='random_stop'", "--schedule random-stop"))
+            .replace("schedule='random_stop'", "--schedule random-stop")
+            .replace("devices must be an integer", "--devices must be an integer"))
 
 
 def _load(args):
@@ -179,6 +183,10 @@ def run(args) -> int:
     """Run ``jaxdp train`` for parsed ``args``; returns the exit status (2 for bad arguments)."""
     if args.resume and args.checkpoint_dir is None:
         return error("--resume needs --checkpoint-dir")
+    if args.devices is not None and args.devices < 1:
+        return error(f"--devices must be an integer >= 1; got {args.devices}")
+    if args.devices is not None and args.algorithm == "dpsbcd":
+        return error("--devices is not supported with --algorithm dpsbcd (its block updates run on one device)")
     if args.passes is None:
         passes = 1 if (args.smoke or args.schedule == "random-stop") else 10
     else:
@@ -207,7 +215,8 @@ def run(args) -> int:
                 radius=None if args.algorithm != "pnsgd" else args.radius, **sbcd,
                 batch_size=args.batch_size, passes=passes, delta=args.delta, order_seed=args.order_seed,
                 noise_seed=args.insecure_noise_seed, clip_norm=clip,
-                schedule=args.schedule.replace("-", "_") if not sbcd else "fixed", checkpoint_dir=args.checkpoint_dir, resume=args.resume,
+                schedule=args.schedule.replace("-", "_") if not sbcd else "fixed", checkpoint_dir=args.checkpoint_dir,
+                resume=args.resume, devices=args.devices,
                 progress=not args.json and sys.stderr.isatty(),
             )
         total = time.perf_counter() - start
