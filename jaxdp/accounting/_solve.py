@@ -60,6 +60,7 @@ def search_decreasing(
     *,
     propose: Callable | None = None,
     stack_ends: bool = True,
+    tol: float | None = None,
 ) -> SearchResult:
     r"""Smallest x in [lo, hi] with ``accept(x)``, by a fixed-count safeguarded bracket search.
 
@@ -73,8 +74,16 @@ def search_decreasing(
 
     The returned x is always a point where ``accept`` was evaluated and returned true, so
     the result never violates the target: rounding and a short iteration count only cost
-    tightness. Runs under ``jit`` and ``vmap`` (no data-dependent loop). Values only:
-    wrap the result with :func:`implicit_root` for derivatives.
+    tightness. Runs under ``jit`` and ``vmap``. Values only: wrap the result with
+    :func:`implicit_root` for derivatives.
+
+    With ``tol`` the search stops early, once every element's bracket is at most ``tol``
+    wide (a rejected point within ``tol`` below the accepted one: the threshold is then
+    certified to lie in that interval), and ``iterations`` is the cap. A proposal search
+    converges on the accepted side and never moves its rejected end, so when an accepted
+    point moved the upper end by less than ``tol`` (converged), the next point evaluated is
+    ``tol`` below it (a certificate: rejected, the search is done; accepted, it is a better
+    point). Without ``tol`` every element runs ``iterations`` steps (a ``fori_loop``).
 
     Args:
       accept: ``x -> (ok, aux)``, elementwise over x; with ``stack_ends`` it must accept a
@@ -83,6 +92,8 @@ def search_decreasing(
       iterations: number of steps after the two end evaluations (static).
       propose: optional extrapolation; non-finite or out-of-bracket proposals bisect.
       stack_ends: evaluate both ends in one call of ``accept`` (smaller program).
+      tol: optional certified bracket width (static) for an early stop; ``None`` runs
+        exactly ``iterations`` steps.
 
     Returns:
       :class:`SearchResult`.
@@ -90,6 +101,7 @@ def search_decreasing(
     lo = jax.lax.stop_gradient(jnp.asarray(lo))
     hi = jax.lax.stop_gradient(jnp.asarray(hi))
     lo, hi = jnp.broadcast_arrays(lo, hi)
+    low_probe_gap = 0.5 * tol if tol is not None else 0.0
     if stack_ends:
         ok2, aux2 = accept(jnp.stack([lo, hi]))
         ok_lo, ok_hi = ok2[0], ok2[1]
@@ -99,7 +111,7 @@ def search_decreasing(
         ok_lo, aux_lo = accept(lo)
         ok_hi, aux_hi = accept(hi)
 
-    def body(_, state):
+    def body(_, state, low_probe=None):
         a, aux_a, w_a, b, aux_b, w_b, side = state
         mid = 0.5 * (a + b)
         if propose is None:
@@ -108,6 +120,8 @@ def search_decreasing(
             cand = propose(a, aux_a, w_a, b, aux_b, w_b)
             inside = jnp.isfinite(cand) & (cand > a) & (cand < b)
             x = jnp.where(inside, cand, mid)
+        if low_probe is not None:
+            x = jnp.where(low_probe, jnp.maximum(b - low_probe_gap, mid), x)
         ok, aux = accept(x)
         # Illinois: an end kept twice in a row has its weight halved (no one-sided stall).
         w_a = jnp.where(ok, jnp.where(side > 0, 0.5 * w_a, w_a), 1.0)
@@ -119,11 +133,48 @@ def search_decreasing(
 
     one = jnp.ones(lo.shape)
     state = (lo, aux_lo, one, hi, aux_hi, one, jnp.zeros(lo.shape))
-    _, _, _, b, aux_b, _, _ = jax.lax.fori_loop(0, iterations, body, state)
+    if tol is None:
+        _, _, _, b, aux_b, _, _ = jax.lax.fori_loop(0, iterations, body, state)
+    else:
+        b, aux_b = _search_until(body, state, ok_lo | ~ok_hi, iterations, float(tol), propose)
     x = jnp.where(ok_lo, lo, b)
     aux = _select(ok_lo, aux_lo, aux_b)
     x = jnp.where(ok_hi, x, jnp.inf)
     return SearchResult(x, aux, ok_hi, ok_lo)
+
+
+def _search_until(body, state, finished, iterations, tol, propose):
+    """The steps of :func:`search_decreasing` in a ``while_loop`` that stops at width ``tol``.
+
+    ``finished`` marks elements with nothing to search (threshold at or beyond an end).
+    Elements that are done keep their state (the loop runs while any is not done, at most
+    ``iterations`` steps). Returns the accepted end and its aux.
+    """
+    def width_ok(st):
+        return (st[3] - st[0]) <= tol
+
+    def cond(carry):
+        k, st, moved = carry
+        return (k < iterations) & jnp.any(~(finished | width_ok(st)))
+
+    def step(carry):
+        k, st, moved = carry
+        done = finished | width_ok(st)
+        # Converged from above (the accepted end moved by less than tol): certify from below.
+        low = (moved < tol) if propose is not None else None
+        new = body(k, st, low)
+        new = tuple(_select(done, u, v) for u, v in zip(st, new))
+        # How far an accepted proposal moved the upper end; +inf after a rejection or a
+        # certifying probe (an accepted one resumes the proposals).
+        shrunk = new[3] < st[3]
+        if low is not None:
+            shrunk = shrunk & ~low
+        moved = jnp.where(done, moved, jnp.where(shrunk, st[3] - new[3], jnp.inf))
+        return k + 1, new, moved
+
+    init = (jnp.asarray(0), state, jnp.full(state[0].shape, jnp.inf))
+    _, st, _ = jax.lax.while_loop(cond, step, init)
+    return st[3], st[4]
 
 
 def implicit_root(fn: Callable, x, value, target, params, binds, fixed):
