@@ -48,12 +48,15 @@ N = 10_000  # records the Poisson sample is drawn from
 LR = 0.1
 
 
+_CLOCK = time.perf_counter  # --clock cpu: time.process_time (CPU seconds of this process)
+
+
 def _median_time(fn, repeats, inner):
     times = []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t = _CLOCK()
         fn()
-        times.append((time.perf_counter() - t) / inner)
+        times.append((_CLOCK() - t) / inner)
     return statistics.median(times)
 
 
@@ -234,23 +237,36 @@ def main(argv=None) -> int:
     ap.add_argument("--scan", type=int, default=5, help="JAX steps per timed call (unrolled)")
     ap.add_argument("--inner", type=int, default=5, help="PyTorch steps per timed block")
     ap.add_argument("--models", default="mlp,cnn")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: CPU seconds of this process (steadier on a shared machine; run XLA and torch "
+                         "single-threaded, e.g. XLA_FLAGS='--xla_cpu_multi_thread_eigen=false "
+                         "intra_op_parallelism_threads=1' and --torch-threads 1, or idle threads count)")
+    ap.add_argument("--torch-threads", type=int, default=None)
+    ap.add_argument("--no-opacus", action="store_true", help="skip the Opacus contenders")
     args = ap.parse_args(argv)
+    global _CLOCK
+    _CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     if args.smoke:
         args.repeats, args.scan, args.inner = 2, 2, 1
     import jax
     import torch
 
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     print(f"machine: {_cpu_model()}, {os.cpu_count()} CPU cores, load average "
           f"{' '.join(f'{v:.2f}' for v in os.getloadavg())}; jax {jax.__version__} ({jax.default_backend()}), "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
-    print(f"expected batch {B} (Poisson, q = {B}/{N}), float32; median of {args.repeats} blocks; ms per step\n")
+    print(f"expected batch {B} (Poisson, q = {B}/{N}), float32; median of {args.repeats} blocks; ms per step "
+          f"({'CPU' if args.clock == 'cpu' else 'wall'} time)\n")
     x, y = data()
     header = ("jaxdp dpsgd_step", "jaxdp vmap", "jax non-private", "noise draw", "clipped sum", "opacus default",
               "opacus ghost")
     rows = []
     for name in args.models.split(","):
         res = bench_jax(name, x, y, args.repeats, args.scan)
-        res.update(bench_torch(name, x, y, args.repeats, args.inner))
+        nan = float("nan")
+        res.update({"opacus default": nan, "opacus ghost": nan} if args.no_opacus
+                   else bench_torch(name, x, y, args.repeats, args.inner))
         rows.append((name, res))
     print("model  " + "  ".join(f"{h:>16}" for h in header))
     for name, res in rows:

@@ -247,7 +247,10 @@ def _per_example_grads_pytree(loss_fn, params, x, y):
 # gradient holds example i's δ's). The squared norm of each layer's per-example gradient is
 # then formed from (a, δ) without the other examples' gradients (see _sq_norm_positions and
 # _embed_sq_norm), and the clipped sum Σ_i c_i g_i is formed per layer from the same (a, δ)
-# with δ scaled by c_i (one contraction per layer; no second backward pass).
+# with δ scaled by c_i (one contraction per layer; no second backward pass). Where a norm
+# needs the per-example weight gradients anyway (convolutions with few channels: vmap of the
+# layer's filter gradient, one grouped convolution, no receptive-field patches), the clipped
+# sum is their weighted sum over examples (b·d·e operations instead of another b·T·d·e).
 #
 # Layers are intercepted on a freshly merged copy of the model (the user's module is never
 # modified): nnx.Linear through its ``dot_general`` attribute, nnx.Conv through its
@@ -464,6 +467,11 @@ def fast_path_supported(loss_fn: LossFn, model_or_params, batch) -> bool:
     return _discover(loss_fn, model_or_params, x, y) is not None
 
 
+def _materialises(t: int, d: int, e: int) -> bool:
+    """Whether the per-example weight gradient is formed (else the Gram identity or T = 1)."""
+    return t > 1 and not t * t * (d + e) < t * d * e
+
+
 def _sq_norm_positions(a: jax.Array, g: jax.Array) -> jax.Array:
     r"""Per-example :math:`\lVert\sum_t a_t g_t^\top\rVert_F^2` for ``a`` (b, T, d), ``g`` (b, T, e).
 
@@ -477,43 +485,57 @@ def _sq_norm_positions(a: jax.Array, g: jax.Array) -> jax.Array:
 
     ``T = 1`` (a dense layer on a 2-D input) is :math:`\lVert a\rVert^2\lVert g\rVert^2`.
     """
+    return _sq_norm_and_grads(a, g)[0]
+
+
+def _sq_norm_and_grads(a: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """``(squared norms (b,), per-example weight gradients (b, d, e) or None)``.
+
+    The per-example gradients are returned where they are materialised for the norm, so
+    that the clipped sum reuses them (a weighted sum over examples) instead of contracting
+    the inputs with the output gradients a second time.
+    """
     _, t, d = a.shape
     e = g.shape[2]
     if t == 1:
-        return jnp.sum(jnp.square(a), axis=(1, 2)) * jnp.sum(jnp.square(g), axis=(1, 2))
+        return jnp.sum(jnp.square(a), axis=(1, 2)) * jnp.sum(jnp.square(g), axis=(1, 2)), None
     hi = jax.lax.Precision.HIGHEST
-    if t * t * (d + e) < t * d * e:
+    if not _materialises(t, d, e):
         aa = jnp.einsum("btd,bsd->bts", a, a, precision=hi)
         gg = jnp.einsum("bte,bse->bts", g, g, precision=hi)
-        return jnp.sum(aa * gg, axis=(1, 2))
+        return jnp.sum(aa * gg, axis=(1, 2)), None
     w = jnp.einsum("btd,bte->bde", a, g, precision=hi)
-    return jnp.sum(jnp.square(w), axis=(1, 2))
+    return jnp.sum(jnp.square(w), axis=(1, 2)), w
 
 
 def _conv_patches(x: jax.Array, conv: dict) -> jax.Array:
-    """Receptive-field patches of ``x`` as (b, d, T): the ``a_t`` of a convolution.
+    """Receptive-field patches of ``x`` as (b, T, d): the ``a_t`` of a convolution.
 
-    Slices of the padded input, one per kernel offset (pure data movement), ordered
-    (input channel, kernel offsets in row-major order). Input dilation is not supported
-    (such layers take the general path).
+    Slices of the padded input, one per kernel offset (pure data movement), each channel's
+    offsets in row-major order, so that ``d`` runs over (input channel, kernel offsets).
+    The channels are moved last first and the offsets stacked after them, which builds
+    the (b, T, d) array without transposing it afterwards (a transpose of the patches,
+    ``K`` times the input's size, cost several forward passes of the layer on CPU).
+    Input dilation is not supported (such layers take the general path).
     """
     dn = conv["dn"]
-    x = jnp.transpose(x, dn.lhs_spec)  # (b, C, *spatial)
+    spec = dn.lhs_spec  # (batch axis, feature axis, spatial axes...)
+    x = jnp.transpose(x, (spec[0], *spec[2:], spec[1]))  # (b, *spatial, C); free for NHWC
     nsp = x.ndim - 2
     dilated = [(k - 1) * r + 1 for k, r in zip(conv["filter_shape"], conv["rhs_dilation"], strict=True)]
     padding = conv["padding"]
     if isinstance(padding, str):
-        padding = jax.lax.padtype_to_pads(x.shape[2:], dilated, conv["strides"], padding)
-    x = jax.lax.pad(x, jnp.zeros((), x.dtype), [(0, 0, 0), (0, 0, 0)] + [(lo, hi, 0) for lo, hi in padding])
-    out = [(x.shape[2 + i] - dilated[i]) // conv["strides"][i] + 1 for i in range(nsp)]
+        padding = jax.lax.padtype_to_pads(x.shape[1:-1], dilated, conv["strides"], padding)
+    x = jax.lax.pad(x, jnp.zeros((), x.dtype), [(0, 0, 0)] + [(lo, hi, 0) for lo, hi in padding] + [(0, 0, 0)])
+    out = [(x.shape[1 + i] - dilated[i]) // conv["strides"][i] + 1 for i in range(nsp)]
     slices = []
     for offset in itertools.product(*(range(k) for k in conv["filter_shape"])):
-        start = [0, 0] + [o * r for o, r in zip(offset, conv["rhs_dilation"], strict=True)]
-        limit = [x.shape[0], x.shape[1]] + [s + (n - 1) * st + 1
-                                            for s, n, st in zip(start[2:], out, conv["strides"], strict=True)]
-        slices.append(jax.lax.slice(x, start, limit, [1, 1, *conv["strides"]]))
-    p = jnp.stack(slices, axis=2)  # (b, C, K, *out)
-    return p.reshape(p.shape[0], -1, math.prod(out))
+        start = [0] + [o * r for o, r in zip(offset, conv["rhs_dilation"], strict=True)] + [0]
+        limit = ([x.shape[0]] + [s + (n - 1) * st + 1 for s, n, st in zip(start[1:-1], out, conv["strides"], strict=True)]
+                 + [x.shape[-1]])
+        slices.append(jax.lax.slice(x, start, limit, [1, *conv["strides"], 1]))
+    p = jnp.stack(slices, axis=-1)  # (b, *out, C, K)
+    return p.reshape(p.shape[0], math.prod(out), -1)
 
 
 def _embed_sq_norm(ids: jax.Array, g: jax.Array, vocab: int) -> jax.Array:
@@ -545,30 +567,89 @@ def _layer_factors(rec, delta: jax.Array) -> tuple[jax.Array, jax.Array]:
         dn = rec["conv"]["dn"]
         g = jnp.transpose(delta, dn.out_spec)  # (b, e, *out)
         g = jnp.swapaxes(g.reshape(b, g.shape[1], -1), 1, 2)  # (b, T, e)
-        a = jnp.swapaxes(_conv_patches(rec["inputs"], rec["conv"]), 1, 2)  # (b, T, d)
+        a = _conv_patches(rec["inputs"], rec["conv"])  # (b, T, d)
     else:
         a = rec["inputs"].reshape(b, -1, rec["inputs"].shape[-1])
         g = delta.reshape(b, -1, delta.shape[-1])
     return a.astype(jnp.result_type(a.dtype, g.dtype)), g
 
 
-def _layer_sq_norm(rec, delta: jax.Array) -> jax.Array:
-    """Per-example squared norm of one recorded layer's parameter gradient (bias included)."""
+def _conv_sizes(rec, delta: jax.Array) -> tuple[int, int, int]:
+    """``(T, d, e)`` of a recorded convolution: output positions, patch size, output channels."""
+    conv = rec["conv"]
+    out_spec, lhs_spec = conv["dn"].out_spec, conv["dn"].lhs_spec
+    t = math.prod(delta.shape[i] for i in out_spec[2:])
+    d = rec["inputs"].shape[lhs_spec[1]] * math.prod(conv["filter_shape"])
+    return t, d, delta.shape[out_spec[1]]
+
+
+def _conv_per_example_kernel_grads(rec, delta: jax.Array) -> jax.Array:
+    """Per-example kernel gradients of one convolution, shape ``(b,) + kernel.shape``.
+
+    ``vmap`` of the convolution's own filter gradient over the examples, which XLA runs as
+    one grouped convolution: the same ``T·d·e`` multiply-adds per example as contracting
+    receptive-field patches, without materialising the patches (``K`` times the input).
+    """
+    conv = rec["conv"]
+    # Only the kernel's shape is used (the recorded value belongs to the forward trace).
+    kernel_shape = rec["recorder"].params["kernel"].shape
+    dtype = jnp.result_type(rec["inputs"].dtype, delta.dtype)
+
+    def one(x_i, delta_i):
+        def f(k):
+            return jax.lax.conv_general_dilated(
+                x_i[None].astype(dtype), k, conv["strides"], conv["padding"], lhs_dilation=conv["lhs_dilation"],
+                rhs_dilation=conv["rhs_dilation"], dimension_numbers=conv["dn"],
+                precision=jax.lax.Precision.HIGHEST)
+
+        _, vjp = jax.vjp(f, jnp.zeros(kernel_shape, dtype))  # f is linear in k
+        return vjp(delta_i[None].astype(dtype))[0]
+
+    return jax.vmap(one)(rec["inputs"], delta)
+
+
+def _layer_sq_norm(rec, delta: jax.Array) -> tuple[jax.Array, dict | None]:
+    """Per-example squared norm of one recorded layer's parameter gradient (bias included).
+
+    Also returns the layer's per-example gradients ``{"kernel": (b, ...), "bias": (b, e)}``
+    when the norm materialised them (convolutions with few channels), else ``None``.
+    """
     if "ids" in rec:
-        return _embed_sq_norm(rec["ids"], delta, rec["vocab"])
+        return _embed_sq_norm(rec["ids"], delta, rec["vocab"]), None
+    has_bias = "bias" in rec["recorder"].params
+    if "conv" in rec and _materialises(*_conv_sizes(rec, delta)):
+        b = delta.shape[0]
+        w = _conv_per_example_kernel_grads(rec, delta)
+        sq = jnp.sum(jnp.square(w.reshape(b, -1)), axis=1)
+        per_example = {"kernel": w}
+        if has_bias:
+            spatial = tuple(rec["conv"]["dn"].out_spec[2:])
+            gb = jnp.sum(delta, axis=spatial)  # (b, e): batch axis 0 (checked at discovery)
+            sq = sq + jnp.sum(jnp.square(gb), axis=1)
+            per_example["bias"] = gb
+        return sq, per_example
     a, g = _layer_factors(rec, delta)
-    sq = _sq_norm_positions(a, g)
-    if "bias" in rec["recorder"].params:
-        sq = sq + jnp.sum(jnp.square(jnp.sum(g, axis=1)), axis=1)
-    return sq
+    sq, w = _sq_norm_and_grads(a, g)
+    per_example = None
+    if w is not None:  # a dense layer applied at several positions
+        per_example = {"kernel": w}
+    if has_bias:
+        gb = jnp.sum(g, axis=1)  # (b, e)
+        sq = sq + jnp.sum(jnp.square(gb), axis=1)
+        if per_example is not None:
+            per_example["bias"] = gb
+    return sq, per_example
 
 
-def _layer_grad_sum(rec, delta: jax.Array, weights: jax.Array) -> dict:
+def _layer_grad_sum(rec, delta: jax.Array, weights: jax.Array, per_example: dict | None = None) -> dict:
     r""":math:`\sum_i w_i \partial\ell_i/\partial\theta` for one layer's parameters, from its (a, δ).
 
     The gradient of :math:`\sum_i w_i\ell_i` is the layer's usual parameter gradient with
     each example's output gradients scaled by :math:`w_i`, contracted over examples and
     positions: one matmul per layer instead of a second backward pass through the model.
+    Where the per-example gradients were already materialised for the norms
+    (``per_example``), it is their weighted sum over examples instead, which costs
+    ``b·d·e`` operations rather than another ``b·T·d·e``.
     """
     params = rec["recorder"].params
     hi = jax.lax.Precision.HIGHEST
@@ -578,10 +659,19 @@ def _layer_grad_sum(rec, delta: jax.Array, weights: jax.Array) -> dict:
         ids, g = rec["ids"].reshape(-1), (w * delta).reshape(-1, table.shape[-1])
         ids = jnp.where(ids < 0, table.shape[0], ids)  # outside the table: dropped
         return {"embedding": jnp.zeros(table.shape, g.dtype).at[ids].add(g, mode="drop")}
-    a, g = _layer_factors(rec, w * delta)
     kernel = params["kernel"]
-    flat = jnp.einsum("btd,bte->de", a, g, precision=hi)  # (d, e)
-    if "conv" in rec:
+    if per_example is not None:
+        wk = weights.astype(per_example["kernel"].dtype)
+        pe = per_example["kernel"]
+        flat = jnp.einsum("b,bk->k", wk, pe.reshape(pe.shape[0], -1), precision=hi)
+        bias_sum = None if "bias" not in per_example else jnp.einsum("b,be->e", wk, per_example["bias"], precision=hi)
+        if "conv" in rec:  # already in the kernel's layout
+            flat = flat.reshape(kernel.shape)
+    else:
+        a, g = _layer_factors(rec, w * delta)
+        flat = jnp.einsum("btd,bte->de", a, g, precision=hi)  # (d, e)
+        bias_sum = jnp.sum(g, axis=(0, 1)) if "bias" in params else None
+    if "conv" in rec and per_example is None:
         # rows of ``flat`` are (input channel, kernel offsets): back to the kernel's layout.
         conv = rec["conv"]
         spec = conv["dn"].rhs_spec  # (out axis, in axis, spatial axes...)
@@ -594,7 +684,7 @@ def _layer_grad_sum(rec, delta: jax.Array, weights: jax.Array) -> dict:
         flat = jnp.transpose(flat, perm)
     out = {"kernel": flat.reshape(kernel.shape)}
     if "bias" in params:
-        out["bias"] = jnp.sum(g, axis=(0, 1)).reshape(params["bias"].shape)
+        out["bias"] = bias_sum.reshape(params["bias"].shape)
     return out
 
 
@@ -615,16 +705,17 @@ def _fast(loss_fn, model, x, y, clip_norm, calls, mask=None) -> ClippedGrads:
     records = [{**reg, **{k: v for k, v in arr.items() if v is not None}}
                for arr, reg in zip(arrays, registry, strict=True)]
     _, deltas = vjp_fn(jnp.ones_like(losses))  # row i of deltas[k] holds example i's δ's at layer k
-    sq = None
+    sq, per_example = None, []
     for rec, delta in zip(records, deltas, strict=True):
-        term = _layer_sq_norm(rec, delta)
+        term, pe = _layer_sq_norm(rec, delta)
+        per_example.append(pe)
         sq = term if sq is None else sq + term.astype(sq.dtype)
     norms, factor = _safe_clip_factor(sq, clip_norm)
     # The weights are constants (S = Σ c_i g_i is not differentiated through c).
     factor = jax.lax.stop_gradient(_masked(factor, mask))
     sums = {}
-    for rec, delta in zip(records, deltas, strict=True):
-        for attr, value in _layer_grad_sum(rec, delta, factor).items():
+    for rec, delta, pe in zip(records, deltas, per_example, strict=True):
+        for attr, value in _layer_grad_sum(rec, delta, factor, pe).items():
             sums[rec["recorder"].path + (attr,)] = value
 
     def fill(key_path, leaf):
@@ -673,7 +764,8 @@ def clipped_grad_sum(loss_fn: LossFn, model_or_params, batch, clip_norm, *,
         \Bigl\lVert\frac{\partial\ell_i}{\partial b}\Bigr\rVert^2 = \Bigl\lVert\sum_t \delta_t\Bigr\rVert^2,
 
     computed per layer either from the materialised :math:`\sum_t a_t\delta_t^\top`
-    (:math:`T d e` operations; convolutions with few channels) or from the Gram form
+    (:math:`T d e` operations; convolutions with few channels, whose per-example kernel
+    gradients then also give :math:`S` as a weighted sum) or from the Gram form
     (:math:`T^2(d+e)`; few positions, wide layers), whichever costs less; for a dense layer
     on a 2-D input it is :math:`\lVert a\rVert^2\lVert\delta\rVert^2`. For an embedding
     table the gradient of row :math:`k` is :math:`\sum_{t:\,\mathrm{id}_t = k}\delta_t`

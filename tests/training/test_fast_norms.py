@@ -33,12 +33,12 @@ def x64():
 
 
 class _Mixed(nnx.Module):
-    """Conv (stride 2, SAME) -> Conv (VALID) -> mean pool, plus an Embed of repeated (and
-    negative) ids, a Linear on the token sequence and a Linear head."""
+    """Conv (stride 2, kernel dilation 2, SAME) -> Conv (VALID) -> mean pool, plus an Embed of
+    repeated (and negative) ids, a Linear on the token sequence and a Linear head."""
 
     def __init__(self, dtype, rngs):
         kw = {"param_dtype": dtype, "rngs": rngs}
-        self.c1 = nnx.Conv(2, 4, (3, 3), strides=2, padding="SAME", **kw)
+        self.c1 = nnx.Conv(2, 4, (3, 3), strides=2, padding="SAME", kernel_dilation=2, **kw)
         self.c2 = nnx.Conv(4, 5, (3, 3), padding="VALID", use_bias=False, **kw)
         self.emb = nnx.Embed(6, 5, **kw)
         self.seq = nnx.Linear(5, 5, **kw)
