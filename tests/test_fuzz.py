@@ -82,7 +82,9 @@ def test_dpsgd_epsilon_never_nan_never_below_exact(q, sigma, steps, delta):
     assert got >= exact * (1 - EPS_BELOW_REL), (got, exact)
     # The default grid (fractional orders too) is valid as well, and the event algebra agrees.
     e = float(_valid(A.dpsgd_epsilon(q, sigma, steps, delta)))
-    assert e == float(A.epsilon(A.dpsgd_event(q, sigma, steps), delta))
+    # The event and the primitive agree to 1e-12 relative (issue 8's acceptance), or are both +inf.
+    ev = float(A.epsilon(A.dpsgd_event(q, sigma, steps), delta))
+    assert e == ev or abs(e - ev) <= 1e-12 * abs(e), (e, ev)
 
 
 @FUZZ
@@ -240,7 +242,7 @@ def _check_calibrate(rc, out, err):
     """0 with a finite noise multiplier, 1 when none in the search range reaches the target, or 2."""
     if rc == 1:
         assert "Traceback" not in err and not err, err
-        assert json.loads(out)["noise_multiplier"] == math.inf, out
+        assert json.loads(out)["noise_multiplier"] == "inf", out  # strict JSON: +inf as the string "inf"
         return
     _check_outcome(rc, out, err)
 

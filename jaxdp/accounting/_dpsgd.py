@@ -69,10 +69,19 @@ def dpsgd_epsilon(q, noise_multiplier, num_steps, delta, orders=DEFAULT_ORDERS, 
     _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("num_steps", num_steps, 0.0, math.inf)
     _validate.check_delta(delta)
-    q, sigma, steps, delta = (f64(x) for x in (q, noise_multiplier, num_steps, delta))
+    _validate.check_static_choice("method", method, ("improved", "classic"))
+    orders_key = tuple(_validate.concrete_orders(orders).tolist())
+    return _dpsgd_epsilon_jit(orders_key, method, f64(q), f64(noise_multiplier), f64(num_steps), f64(delta))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _dpsgd_epsilon_jit(orders_key, method, q, sigma, steps, delta):
+    # One compiled program for an eager call (validation above ran on the concrete values):
+    # a first call compiles once instead of dispatching dozens of separately compiled ops.
+    # Inside a caller's jit/vmap/grad this inner jit is inlined.
     q, sigma, steps, delta = jnp.broadcast_arrays(q, sigma, steps, delta)
-    rdp = heterogeneous_rdp(orders, q[..., None], sigma[..., None], steps[..., None])
-    return rdp_to_epsilon(rdp, orders, delta, method=method).epsilon
+    rdp = heterogeneous_rdp(orders_key, q[..., None], sigma[..., None], steps[..., None])
+    return rdp_to_epsilon(rdp, orders_key, delta, method=method).epsilon
 
 
 @float64
@@ -93,8 +102,18 @@ def schedule_epsilon(q, noise_multiplier, num_steps, delta, orders=DEFAULT_ORDER
     for name, value in (("q", q), ("noise_multiplier", noise_multiplier), ("num_steps", num_steps)):
         _validate.check_nonempty(name, value)
     _validate.check_delta(delta)
-    rdp = heterogeneous_rdp(orders, q, noise_multiplier, num_steps)
-    return rdp_to_epsilon(rdp, orders, delta, method=method).epsilon
+    _validate.check_static_choice("method", method, ("improved", "classic"))
+    # Validated eagerly (heterogeneous_rdp's checks see the concrete values), then one compiled program.
+    for name, value, lo_open in (("q", q, False), ("noise_multiplier", noise_multiplier, True), ("num_steps", num_steps, False)):
+        _validate.check_in_range(name, value, 0.0, 1.0 if name == "q" else math.inf, lo_open=lo_open)
+    orders_key = tuple(_validate.concrete_orders(orders).tolist())
+    return _schedule_epsilon_jit(orders_key, method, f64(q), f64(noise_multiplier), f64(num_steps), f64(delta))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _schedule_epsilon_jit(orders_key, method, q, sigma, steps, delta):
+    rdp = heterogeneous_rdp(orders_key, q, sigma, steps)
+    return rdp_to_epsilon(rdp, orders_key, delta, method=method).epsilon
 
 
 class CalibrationResult(NamedTuple):
