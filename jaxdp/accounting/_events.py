@@ -27,6 +27,7 @@ another, for example a PLD accountant).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -723,7 +724,8 @@ class _Accountant(NamedTuple):
     delta: Callable
 
 
-_ACCOUNTANTS: dict[str, _Accountant] = {"rdp": _Accountant(_rdp_epsilon, _rdp_delta)}
+_BUILTIN_RDP = _Accountant(_rdp_epsilon, _rdp_delta)
+_ACCOUNTANTS: dict[str, _Accountant] = {"rdp": _BUILTIN_RDP}
 
 
 def register_accountant(name: str, *, epsilon: Callable, delta: Callable) -> None:
@@ -796,6 +798,8 @@ def epsilon(event: Event, delta, *, orders=DEFAULT_ORDERS, accountant: str = "rd
     _prepare(event)
     _validate.check_delta(delta)
     orders_np = _validate.concrete_orders(orders)
+    if acc is _BUILTIN_RDP:  # validated above: one compiled program (see _rdp_jit)
+        return _rdp_jit(event, f64(delta), tuple(orders_np.tolist()), "epsilon")
     return acc.epsilon(event, f64(delta), orders_np)
 
 
@@ -828,7 +832,19 @@ def delta(event: Event, epsilon, *, orders=DEFAULT_ORDERS, accountant: str = "rd
     _prepare(event)
     _validate.check_in_range("epsilon", epsilon, 0.0, math.inf)
     orders_np = _validate.concrete_orders(orders)
+    if acc is _BUILTIN_RDP:
+        return _rdp_jit(event, f64(epsilon), tuple(orders_np.tolist()), "delta")
     return acc.delta(event, f64(epsilon), orders_np)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _rdp_jit(event: Event, value, orders_key: tuple, which: str):
+    # The built-in RDP accountant as one compiled program per event structure and orders
+    # grid: an eager call then compiles once instead of dispatching (and compiling) each
+    # operation separately (first call 3.5 s -> under 2 s). The event was validated eagerly
+    # by the caller; inside a caller's jit/vmap/grad this jit is inlined.
+    orders = np.asarray(orders_key, dtype=np.float64)
+    return (_rdp_epsilon if which == "epsilon" else _rdp_delta)(event, value, orders)
 
 
 @float64
