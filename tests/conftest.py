@@ -66,6 +66,15 @@ SLOW_IN_CI = {
     "tests/models/test_constants.py::test_softmax_formula_bounds_random_points[0.0]",
     # The progress bar: the command's smoke test draws it too.
     "tests/training/test_loop.py::test_progress_bar_runs",
+    # Session 5 (the audit, grids and data-parallel tests were added): pnsgd_privacy's x64-off
+    # cell compiles the whole PNSGD best-of in five forms (~20 s); the PNSGD event cells and
+    # test_events' comparisons with pnsgd_privacy run in CI, the full matrix with JAXDP_SLOW=1.
+    "tests/accounting/test_transformations.py::test_vmap_jit_and_grad_jit_with_x64_off[pnsgd_privacy]",
+    # PLD jit/vmap/grad with x64 on: the x64-off test of the same forms stays.
+    "tests/accounting/test_pld.py::test_jit_vmap_grad",
+    # The command's compilation cache folder and its 'off' switch (two subprocesses): every
+    # command test runs with the cache on.
+    "tests/test_cli.py::test_compilation_cache_folder_and_switch",
 }
 
 settings.register_profile("ci", derandomize=True)
