@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 
 EXIT_USAGE = 2
@@ -88,6 +89,16 @@ def emit(args, payload: dict, lines: list[str]) -> None:
         print(json.dumps(_strict(payload), allow_nan=False))
     else:
         print("\n".join(lines))
+
+
+def check_out_dir(path: str, option: str = "--out") -> None:
+    """Create the output folder ``path`` and check it is writable, before any long work."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        if not os.access(path, os.W_OK):
+            raise OSError("not writable")
+    except OSError as exc:
+        raise UsageError(f"{option} cannot write to {path!r}: {exc}") from None
 
 
 def _strict(x):

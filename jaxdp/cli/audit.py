@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ._common import UsageError, emit, fmt, number
+from ._common import UsageError, check_out_dir, emit, fmt, number
 
 SETTINGS = ("gaussian", "sampled_gaussian", "pnsgd", "dpsgd", "dpsgd_one_run")
 
@@ -55,12 +55,7 @@ def run(args) -> int:
         raise UsageError(f"--confidence must be in (0, 1); got {args.confidence:g}")
     if not 0.0 < args.delta < 1.0:
         raise UsageError(f"--delta must be in (0, 1); got {args.delta:g}")
-    try:  # check the output folder before the work, not after
-        os.makedirs(args.out, exist_ok=True)
-        if not os.access(args.out, os.W_OK):
-            raise OSError("not writable")
-    except OSError as exc:
-        raise UsageError(f"--out cannot write to {args.out!r}: {exc}") from None
+    check_out_dir(args.out)  # before the work, not after
 
     from .. import audit
 

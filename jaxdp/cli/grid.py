@@ -14,7 +14,7 @@ import os
 import shutil
 import sys
 
-from ._common import UsageError, add_conversion_options, emit, fmt, orders, values
+from ._common import UsageError, add_conversion_options, check_out_dir, emit, fmt, orders, values
 
 MAX_PANELS = 24  # steps values drawn per heat map; beyond, evenly spaced ones (said in figure and output)
 
@@ -64,12 +64,7 @@ def run(args) -> int:
     contours = [] if args.contours is None else values("--contours", args.contours, log=False)
     if any(not (c > 0 and math.isfinite(c)) for c in contours):
         raise UsageError(f"--contours values must be finite epsilon values > 0; got {args.contours!r}")
-    try:  # check the output folder before the work, not after
-        os.makedirs(args.out, exist_ok=True)
-        if not os.access(args.out, os.W_OK):
-            raise OSError("not writable")
-    except OSError as exc:
-        raise UsageError(f"--out cannot write to {args.out!r}: {exc}") from None
+    check_out_dir(args.out)  # before the work, not after
     if args.restart:
         for name in os.listdir(args.out):
             if name.startswith("chunks-") and os.path.exists(os.path.join(args.out, name, "manifest.json")):
