@@ -93,7 +93,7 @@ def sharded_apply(fn: Callable, *args, devices: Sequence[jax.Device] | None = No
 
     Examples:
       >>> import functools, jaxdp
-      >>> from jaxdp._sharding import sharded_apply
+      >>> from jaxdp.grids import sharded_apply
       >>> f = functools.partial(jaxdp.accounting.dpsgd_epsilon, orders=(2.0, 4.0, 8.0, 16.0, 32.0), method="improved")
       >>> sharded_apply(f, [0.01, 0.02], 1.1, 1000, 1e-5).round(4).tolist()
       [1.7982, 4.0911]

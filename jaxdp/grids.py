@@ -5,7 +5,7 @@ PLD upper bound :func:`jaxdp.accounting.pld_epsilon`) on the Cartesian product o
 axes ``q × noise_multiplier × num_steps × delta`` (row-major: ``delta`` varies fastest).
 The product is never built: each chunk of ``chunk_size`` flat indices is turned into its
 four coordinates, padded to the static chunk length (one compilation for the whole grid),
-split over all devices (``jax.sharding``; see ``jaxdp/_sharding.py``) and evaluated by one
+split over all devices (``jax.sharding``; :func:`sharded_apply`) and evaluated by one
 jitted call. Memory is bounded by the chunk, not the grid: the working set is about
 ``chunk_size × len(orders) × 8`` bytes times a small constant, plus 8 bytes per
 configuration for the result, which lives in a memory-mapped file when a ``directory`` is
@@ -37,7 +37,12 @@ import numpy as np
 from . import _sharding, _validate
 from . import accounting as A
 
-__all__ = ["GridResult", "epsilon_grid", "write_grid_csv"]
+__all__ = ["GridResult", "batch_mesh", "epsilon_grid", "shard_leading_axis", "sharded_apply", "write_grid_csv"]
+
+# The batch axis of any elementwise accountant call over every device (public here).
+batch_mesh = _sharding.batch_mesh
+shard_leading_axis = _sharding.shard_leading_axis
+sharded_apply = _sharding.sharded_apply
 
 CSV_HEADER = "q,noise_multiplier,num_steps,delta,epsilon"
 _DEFAULT_CHUNK = {"rdp": 16384, "pld": 16}

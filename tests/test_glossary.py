@@ -104,7 +104,7 @@ def test_every_quantity_is_in_the_glossary(modname):
 
 # Names that are not quantities (objects passed through, options of one function).
 _LOCAL_NAMES = {
-    "model", "data", "x", "y", "value", "event", "events", "accountant", "dp_event", "state", "ledger",
+    "model", "data", "fn", "x", "y", "value", "event", "events", "accountant", "dp_event", "state", "ledger",
     "params", "grads", "updates", "loss", "path", "name", "rngs", "progress", "account", "callback",
     "return_intermediates", "steps_per_call", "checkpoint_dir", "checkpoint_every", "resume",
     "use_fast_path", "drop_remainder", "test_fraction", "in_features", "out_features", "features",
