@@ -30,6 +30,7 @@ __all__ = [
 ]
 
 from ._drivers import AuditResult as AuditResult
+from ._drivers import __all__ as _DRIVERS
 from ._drivers import audit_dpsgd as audit_dpsgd
 from ._drivers import audit_dpsgd_one_run as audit_dpsgd_one_run
 from ._drivers import audit_gaussian as audit_gaussian
@@ -39,14 +40,4 @@ from ._drivers import dpsgd_scores as dpsgd_scores
 from ._drivers import gaussian_scores as gaussian_scores
 from ._drivers import pnsgd_scores as pnsgd_scores
 
-__all__ += [
-    "AuditResult",
-    "audit_dpsgd",
-    "audit_dpsgd_one_run",
-    "audit_gaussian",
-    "audit_pnsgd",
-    "dpsgd_one_run_scores",
-    "dpsgd_scores",
-    "gaussian_scores",
-    "pnsgd_scores",
-]
+__all__ += _DRIVERS
