@@ -163,9 +163,10 @@ __all__ += [
 # DP-SBCD (Chen & Liu 2024): hidden-state RDP of noisy block coordinate descent.
 from ._dpsbcd import dpsbcd_epsilon as dpsbcd_epsilon  # noqa: E402
 from ._dpsbcd import dpsbcd_rdp as dpsbcd_rdp  # noqa: E402
+from ._dpsbcd import dpsbcd_rdp_per_batch as dpsbcd_rdp_per_batch  # noqa: E402
 from ._events import DPSBCD as DPSBCD  # noqa: E402
 
-__all__ += ["DPSBCD", "dpsbcd_epsilon", "dpsbcd_rdp"]
+__all__ += ["DPSBCD", "dpsbcd_epsilon", "dpsbcd_rdp", "dpsbcd_rdp_per_batch"]
 
 # Privacy loss distributions (PLD): tight accounting by FFT, with an upper and a lower bound.
 from ._pld import PLD_GRID_SIZE as PLD_GRID_SIZE  # noqa: E402

@@ -46,6 +46,7 @@ reports the larger of that and the paper's order (mix per block, then sum).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -58,7 +59,7 @@ from .._numerics import f64, float64
 from ._conversion import rdp_to_epsilon
 from ._rdp import DEFAULT_ORDERS
 
-__all__ = ["dpsbcd_rdp", "dpsbcd_epsilon"]
+__all__ = ["dpsbcd_rdp", "dpsbcd_rdp_per_batch", "dpsbcd_epsilon"]
 
 _ASSUMPTIONS = """
     Assumptions (Chen & Liu 2024; the first two are unproven there and here):
@@ -184,12 +185,21 @@ def _per_position(noise_temperature, learning_rate, sensitivity, contraction, pr
     return log_eps_over_alpha, valid
 
 
+def _per_batch_curves(orders, log_a):
+    """RDP at ``orders`` of every batch position, layers summed: ``(m, k)`` from ``(m, L)``.
+
+    ``ε(α, j0) = α · Σ_layers ε(α, j0)/α`` (Corollary 4.5 is linear in α); the layers' sum
+    is shared by all orders.
+    """
+    return jnp.sum(jnp.exp(log_a), axis=-1)[:, None] * f64(orders)[None, :]
+
+
 def _curve(orders, log_a, batch_index, m):
     """RDP at ``orders`` from ``log(ε(α, j0)/α)`` of shape ``(m, L)``."""
+    if batch_index is not None:
+        return _per_batch_curves(orders, log_a[batch_index:batch_index + 1])[0]
     alpha = f64(orders)[:, None]  # (k, 1)
     a = jnp.exp(log_a)  # (m, L)
-    if batch_index is not None:
-        return alpha[:, 0] * jnp.sum(a[batch_index], axis=-1)
     log_m = math.log(m)
 
     def mix(per_position):  # (k, m) of ε(α, j0) -> (k,)
@@ -198,6 +208,20 @@ def _curve(orders, log_a, batch_index, m):
     joint = mix(alpha * jnp.sum(a, axis=-1)[None, :])  # compose the layers at fixed j0, then mix
     per_layer = sum(mix(alpha * a[None, :, d]) for d in range(a.shape[-1]))  # the paper's order
     return jnp.maximum(joint, per_layer)
+
+
+@functools.partial(jax.jit, static_argnames=("num_records", "batch_size", "batch_index", "per_batch"))
+def _rdp_core(orders, noise_temperature, learning_rate, sensitivity, contraction, prox_lipschitz, *,
+              num_records, batch_size, batch_index, per_batch):
+    """The curve(s), NaN where invalid: one compiled program per shape (an eager call would
+    dispatch and compile each of the few dozen operations separately)."""
+    log_a, valid = _per_position(noise_temperature, learning_rate, sensitivity, contraction, prox_lipschitz,
+                                 num_records, batch_size)
+    if per_batch:
+        curve = _per_batch_curves(orders, log_a)
+    else:
+        curve = _curve(orders, log_a, batch_index, num_records // batch_size)
+    return jnp.where(valid, curve, jnp.nan)
 
 
 @float64
@@ -250,11 +274,62 @@ def dpsbcd_rdp(orders, noise_temperature, *, learning_rate, sensitivity, contrac
     """
     _check(noise_temperature, learning_rate, sensitivity, contraction, prox_lipschitz, num_records, batch_size,
            batch_index)
-    orders_np = _validate.concrete_orders(orders)
-    log_a, valid = _per_position(noise_temperature, learning_rate, sensitivity, contraction, prox_lipschitz,
-                                 num_records, batch_size)
-    curve = _curve(orders_np, log_a, batch_index, num_records // batch_size)
-    return jnp.where(valid, curve, jnp.nan)
+    return _rdp_core(f64(_validate.concrete_orders(orders)), *(f64(v) for v in (
+        noise_temperature, learning_rate, sensitivity, contraction, prox_lipschitz)), num_records=num_records,
+        batch_size=batch_size, batch_index=batch_index, per_batch=False)
+
+
+@float64
+def dpsbcd_rdp_per_batch(orders, noise_temperature, *, learning_rate, sensitivity, contraction, prox_lipschitz,
+                         num_records: int, batch_size: int) -> jax.Array:
+    r"""RDP curves of DP-SBCD's released weights for a record in each batch position, in one call.
+
+    Row :math:`j_0` is :func:`dpsbcd_rdp` with ``batch_index=j0`` (no mixing), summed over the
+    layers:
+
+    .. math::
+
+        ε(α, j_0) = α \sum_{\text{layers}} \sum_{k=0}^{K-1} \frac{η S_g^2}{4 b^2 o_{t_k}}
+        \prod_{\substack{t_k < t < T \\ t \ne t_l\ (l > k)}}
+        \Bigl(1 + \frac{2η\,o_t\,c_t}{L_F^2}\Bigr)^{-1/L_T^2}, \qquad t_k = km + j_0 .
+
+    The LSI constants and the per-step decay factors are computed once and shared by all
+    :math:`m = n/b` positions (prefix and suffix sums of the log factors), so the cost is
+    :math:`O(Km)` for the whole vector, where :math:`m` calls of :func:`dpsbcd_rdp` cost
+    :math:`O(Km^2)` and a compiled program that grows with :math:`m`. Use it when the batch
+    order is public (a ledger reports the worst position, not the mixture).
+
+    Args:
+      orders: Rényi orders > 1, a concrete 1-D sequence.
+      noise_temperature, learning_rate, sensitivity, contraction, prox_lipschitz,
+        num_records, batch_size: as in :func:`dpsbcd_rdp` (required; no defaults).
+
+    Returns:
+      float64 array of shape ``(num_records // batch_size, len(orders))``: row ``j0`` is the
+      RDP curve of a record in batch ``j0`` (0-based); NaN under ``jit`` for invalid values.
+
+    Raises:
+      ValueError: as :func:`dpsbcd_rdp`, naming the parameter.
+    {assumptions}
+    References:
+      C. Chen, D. Liu, "Differentially Private Neural Network Training under Hidden State
+      Assumption", arXiv:2407.08233v1 (2024): Corollary 4.5, Lemma 4.7, eq. 11 (per batch
+      position, before the mixture of Theorem 4.6), Section 4.2.
+
+    Examples:
+      >>> import jaxdp
+      >>> # One pass of two batches, L_F = L_T = 1: the record in the last batch is touched by
+      >>> # the last step (α η S²/(4 b² o)); the first batch's step is followed by one more.
+      >>> r = jaxdp.accounting.dpsbcd_rdp_per_batch([2.0], [0.01], learning_rate=0.01, sensitivity=2.0,
+      ...     contraction=1.0, prox_lipschitz=1.0, num_records=20, batch_size=10)
+      >>> r.shape, round(float(r[1, 0]), 12), bool(r[0, 0] < r[1, 0])
+      ((2, 1), 0.02, True)
+    """
+    _check(noise_temperature, learning_rate, sensitivity, contraction, prox_lipschitz, num_records, batch_size,
+           None)
+    return _rdp_core(f64(_validate.concrete_orders(orders)), *(f64(v) for v in (
+        noise_temperature, learning_rate, sensitivity, contraction, prox_lipschitz)), num_records=num_records,
+        batch_size=batch_size, batch_index=None, per_batch=True)
 
 
 @float64
@@ -295,3 +370,4 @@ def dpsbcd_epsilon(delta, noise_temperature, *, learning_rate, sensitivity, cont
 # One statement of the assumptions in both docstrings (users must see it where they call).
 dpsbcd_rdp.__doc__ = dpsbcd_rdp.__doc__.replace("    {assumptions}\n", _ASSUMPTIONS)
 dpsbcd_epsilon.__doc__ = dpsbcd_epsilon.__doc__.replace("    {assumptions}\n", _ASSUMPTIONS)
+dpsbcd_rdp_per_batch.__doc__ = dpsbcd_rdp_per_batch.__doc__.replace("    {assumptions}\n", _ASSUMPTIONS)

@@ -2,7 +2,9 @@
 
 The mpmath reference computes the LSI constants from the closed double sum of Lemma 4.7
 (not the step recursion the library uses) and multiplies the decay factors of Corollary 4.5
-one step at a time (not the log-space prefix/suffix sums of the library).
+one step at a time (not the log-space prefix/suffix sums of the library). ``dpsbcd_rdp_per_batch``
+(every position in one call) is checked against the same reference, a hand-derived two-step
+closed form and the per-position calls.
 """
 
 import math
@@ -89,9 +91,16 @@ def test_matches_mpmath_reference_per_step_schedule():
     for i, a in enumerate(ORDERS):
         want, per = _ref_rdp(a, O_STEPS, 0.05, LAYERS, 2)
         assert got[i] == pytest.approx(float(want), rel=RTOL)
+    s, lf, lt = (np.array(v) for v in zip(*LAYERS))
+    all_j = np.asarray(A.dpsbcd_rdp_per_batch(ORDERS, np.array(O_STEPS), learning_rate=0.05, sensitivity=s,
+                                              contraction=lf, prox_lipschitz=lt, num_records=6, batch_size=2))
+    assert all_j.shape == (3, len(ORDERS))
     for j0 in range(3):
         got_j = _lib(ORDERS, O_STEPS, batch_index=j0)
         np.testing.assert_allclose(got_j, [a * float(sum(per[j0])) for a in ORDERS], rtol=RTOL)
+        # All positions in one call: the mpmath reference and the per-position call.
+        np.testing.assert_allclose(all_j[j0], [a * float(sum(per[j0])) for a in ORDERS], rtol=RTOL)
+        np.testing.assert_allclose(all_j[j0], got_j, rtol=RTOL)
 
 
 def test_per_pass_schedule_is_constant_within_a_pass():
@@ -118,6 +127,9 @@ def test_two_steps_by_hand():
     got = A.dpsbcd_rdp([al], [[o0, o1]], learning_rate=eta, sensitivity=s, contraction=lf, prox_lipschitz=lt,
                        num_records=2 * b, batch_size=b)
     assert float(got[0]) == pytest.approx(want, rel=RTOL)
+    per_batch = A.dpsbcd_rdp_per_batch([al], [[o0, o1]], learning_rate=eta, sensitivity=s, contraction=lf,
+                                       prox_lipschitz=lt, num_records=2 * b, batch_size=b)
+    np.testing.assert_allclose(np.asarray(per_batch)[:, 0], [al * a0, al * a1], rtol=RTOL)
 
 
 def _eq11_literal(alpha, o, eta, s, lf, lt, b, m, K, j0):
@@ -178,11 +190,14 @@ def test_monotone_in_noise(o, factor):
     lo = A.dpsbcd_rdp(ORDERS, [o] * 4, **kw)
     hi = A.dpsbcd_rdp(ORDERS, [o * factor] * 4, **kw)
     assert np.all(np.asarray(hi) < np.asarray(lo))
-    # Per position, the bound is exactly proportional to 1/o under a scaled schedule.
+    # Per position, the bound is exactly proportional to 1/o under a scaled schedule; all positions
+    # in one call (two layers, per-pass schedule) equal the per-position calls.
+    every = np.asarray(A.dpsbcd_rdp_per_batch([2.0], [o] * 4, **kw))
     for j0 in (0, 3):
         a = A.dpsbcd_rdp([2.0], [o] * 4, batch_index=j0, **kw)
         b = A.dpsbcd_rdp([2.0], [o * factor] * 4, batch_index=j0, **kw)
         assert float(b[0]) == pytest.approx(float(a[0]) / factor, rel=1e-12)
+        assert every[j0, 0] == pytest.approx(float(a[0]), rel=RTOL)
 
 
 def test_layers_sum_at_least_paper_order():
@@ -254,3 +269,8 @@ def test_invalid_under_jit_is_nan_and_gradients_finite():
     assert math.isfinite(float(g)) and float(g) > 0
     g0 = jax.grad(lambda s: A.dpsbcd_rdp([2.0], [0.01, 0.02], **{**KW, "sensitivity": s})[0])(0.0)
     assert math.isfinite(float(g0))
+    f_all = jax.jit(lambda o: A.dpsbcd_rdp_per_batch([2.0, 4.0], o, **KW))
+    assert np.all(np.isnan(np.asarray(f_all(jnp.array([0.01, -0.01])))))
+    assert f_all(jnp.array([0.01, 0.02])).shape == (21, 2)
+    with pytest.raises(ValueError, match="noise_temperature"):
+        A.dpsbcd_rdp_per_batch([2.0], [0.01, 0.0], **KW)

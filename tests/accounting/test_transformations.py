@@ -156,6 +156,9 @@ CASES.update({
     # DP-SBCD (x: the sensitivity S_g; the noise schedule is a fixed per-pass array).
     "dpsbcd_rdp": (lambda x: A.dpsbcd_rdp(ORD, (0.01, 0.02, 0.01), learning_rate=0.05, sensitivity=x,
                                           contraction=0.97, prox_lipschitz=1.0, num_records=12, batch_size=3)[-1], 1.3),
+    "dpsbcd_rdp_per_batch": (lambda x: A.dpsbcd_rdp_per_batch(ORD, (0.01, 0.02, 0.01), learning_rate=0.05,
+                                                              sensitivity=x, contraction=0.97, prox_lipschitz=1.0,
+                                                              num_records=12, batch_size=3)[0, -1], 1.3),
     "dpsbcd_epsilon": (lambda x: A.dpsbcd_epsilon(1e-5, (0.01, 0.02, 0.01), learning_rate=0.05, sensitivity=x,
                                                   contraction=0.97, prox_lipschitz=1.0, num_records=12, batch_size=3,
                                                   orders=ORD), 0.13),
