@@ -721,7 +721,7 @@ def calibrate_pld_noise_multiplier(target_epsilon, q, num_steps, delta, *, grid_
     The RDP calibration (:func:`calibrate_noise_multiplier`) gives :math:`σ_{RDP}`, which
     meets the target under the PLD accountant too (the PLD upper bound is below the RDP
     bound up to its certified error); the PLD root is searched by bisection on
-    :math:`\log σ ∈ [\log σ_{RDP} - 1, \log σ_{RDP}]` (:func:`solve_decreasing`, fixed steps,
+    :math:`\log σ ∈ [\log σ_{RDP} - 1, \log σ_{RDP}]` (fixed steps, one PLD evaluation per step,
     so it runs under ``jit`` and ``vmap``). Every returned σ was checked:
     ``pld_epsilon(dpsgd_event(q, σ, T), δ) ≤ target``; where the PLD grid cannot certify
     the target at :math:`σ_{RDP}`, :math:`σ_{RDP}` itself (an RDP-certified answer) is
@@ -766,23 +766,50 @@ def calibrate_pld_noise_multiplier(target_epsilon, q, num_steps, delta, *, grid_
 @functools.partial(jax.jit, static_argnums=(4, 5, 6))
 def _calibrate_core(target, q, steps, delta, grid_size, tail_bound, iterations):
     from ._dpsgd import CalibrationResult, calibrate_noise_multiplier
-    from ._solve import solve_decreasing
+    from ._solve import implicit_root
 
     rdp = calibrate_noise_multiplier(target, q, steps, delta)
     s_rdp = jax.lax.stop_gradient(rdp.noise_multiplier)
     ok = jnp.isfinite(s_rdp) & (s_rdp > 0)
     hi = jnp.log(jnp.where(ok, s_rdp, 1.0))
+    lo = hi - 1.0
     fn = functools.partial(_dpsgd_pld_epsilon, grid_size=grid_size, tail_bound=tail_bound)
-    x = solve_decreasing(fn, (q, steps, delta), target, hi - 1.0, hi, iterations)
-    found = jnp.isfinite(x)
+    params = (q, steps, delta)
+    p_sg = jax.lax.stop_gradient(params)
+    t_sg = jax.lax.stop_gradient(target)
+
+    # Bisection with ONE evaluation site (the PLD program is large: a copy for the two
+    # ends, one for the steps and one for the final value would each be compiled). Step 0
+    # evaluates hi, step 1 lo, the rest the midpoint of the bracket [a, b]; b is the
+    # accepted end and eps_b its PLD ε, so no evaluation follows the loop.
+    def body(k, state):
+        a, b, eps_b, ok_hi, ok_lo = state
+        x = jnp.where(k == 0, hi, jnp.where(k == 1, lo, 0.5 * (a + b)))
+        e = fn(x, *p_sg)
+        acc = e <= t_sg
+        first, second = k == 0, k == 1
+        ok_hi = jnp.where(first, acc, ok_hi)
+        ok_lo = jnp.where(second, acc, ok_lo)
+        take = acc & ~first  # an accepted point below the current accepted end
+        b_new = jnp.where(first, hi, jnp.where(take, x, b))
+        eps_new = jnp.where(first | take, e, eps_b)
+        a_new = jnp.where(second | ((k > 1) & ~acc), x, a)
+        return a_new, b_new, eps_new, ok_hi, ok_lo
+
+    nan = jnp.full(hi.shape, jnp.nan)
+    no = jnp.zeros(hi.shape, bool)
+    _, b, eps_b, ok_hi, ok_lo = jax.lax.fori_loop(0, iterations + 2, body, (lo, hi, nan, no, no))
+    found = ok_hi
+    x = jnp.where(found, b, jnp.inf)  # b == lo where the target is met at the lower end
+    x, eps_x = implicit_root(fn, x, jnp.where(found, eps_b, 0.0), target, params, found & ~ok_lo, found & ok_lo)
     x_s = jnp.where(found, x, hi)
     sigma = jnp.where(found, jnp.exp(x_s), rdp.noise_multiplier)
-    eps = jnp.where(found, fn(x_s, q, steps, delta), rdp.epsilon)
+    eps = jnp.where(found, eps_x, rdp.epsilon)
     sigma = jnp.where(ok, sigma, rdp.noise_multiplier)
     eps = jnp.where(ok, eps, rdp.epsilon)
     # The target already met at the lower end of a search (RDP's range, or the PLD bracket
     # below the RDP answer): the σ returned is that end, not the smallest σ that meets it.
-    at_low = rdp.at_lower_bound | (ok & found & (x_s <= hi - 1.0))
+    at_low = rdp.at_lower_bound | (ok & found & ok_lo)
     return CalibrationResult(sigma, eps, at_low)
 
 
