@@ -275,11 +275,17 @@ def _contraction_eps_grid(r_first2, rc, later, sel, log_t):
 
 
 def _bucket(size: int) -> int:
-    """The padded length for ``size`` positions: 8, or the next 2^p or 3·2^(p-1) (≤ 33% more)."""
+    """The padded length for ``size`` positions, so that nearby sizes share compiled programs.
+
+    At least 8; with P the next power of two, the next multiple of P/4 (one of 3P/4, P:
+    at most 50% padding, for P ≤ 1024, where compiling dominates), or of P/16 beyond
+    (at most 12.5% padding, where running dominates).
+    """
     if size <= 8:
         return 8
-    p = 1 << (size - 1).bit_length()  # the next power of two
-    return 3 * p // 4 if size <= 3 * p // 4 else p
+    p = 1 << (size - 1).bit_length()
+    step = p // 4 if p <= 1024 else p // 16
+    return -(-size // step) * step
 
 
 def _privacy_core(pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt, sc_form, size=None, shape=None):
