@@ -26,12 +26,11 @@ from ._contraction import (
     _batch_geometry,
     _eps_bracket,
     _log_delta_from,
-    _log_delta_slope,
     _pnsgd_setup,
     _safe_target,
     _solve_eps,
 )
-from ._hockey_stick import _log_theta_and_complement, _log_theta_slope
+from ._hockey_stick import _LOG_SQRT_2PI, _log_theta_and_complement, _log_theta_impl, _log_theta_slope
 from ._iteration import _linear_eps_masked, _pabi_coefficient, _sc_coefficient
 from ._shifted import _log_contraction, _shifted_energy
 from ._solve import implicit_root, search_decreasing
@@ -113,8 +112,42 @@ def _composition_r(pos, n, lip, sig, b, k):
     return 2.0 * lip * jnp.sqrt(k) / (b_eff * sig)
 
 
-def _lt(e, r):
-    return _log_theta_and_complement(e, r)[0]
+def _theta_partials(eps, r):
+    """(log θ, ∂log θ/∂ε, ∂log θ/∂r) at stopped inputs, from one evaluation of θ.
+
+    The derivatives are those of the rule of :func:`_log_theta_and_complement`
+    (∂θ/∂ε = −e^ε Q(b), ∂θ/∂r = φ(a)). A solver that needs a value, its slope and its
+    tangent at one point traces θ once instead of three times (compile time grows with
+    every traced copy).
+    """
+    sg = jax.lax.stop_gradient
+    eps, r = sg(eps), sg(r)
+    lt, _, a, log_qb, ok = _log_theta_impl(eps, r)
+    good = ok & jnp.isfinite(lt)
+    lt_s = jnp.where(good, lt, 0.0)
+    e_s = jnp.where(ok, eps, 0.0)
+    d_eps = jnp.where(good, -jnp.exp(jnp.minimum(e_s + log_qb - lt_s, 700.0)), 0.0)
+    d_r = jnp.where(good, jnp.exp(jnp.minimum(-0.5 * a * a - _LOG_SQRT_2PI - lt_s, 700.0)), 0.0)
+    return lt, d_eps, d_r
+
+
+def _tangent(x, d):
+    """0 with the tangent d·dx (x's tangent times the partial derivative d)."""
+    return jnp.where(jnp.isfinite(x), d * (x - jax.lax.stop_gradient(x)), 0.0)
+
+
+@jax.jit
+def _grid_table(r_first2, rc, log_t):
+    """The grid over [0, ε_hi] and log θ with its ε-slope there, at both first ratios and rc.
+
+    A program of its own: it does not depend on the number of positions, so it is compiled
+    once for every run size (and the per-position program compiles faster without it).
+    """
+    eps_hi = _eps_bracket(jnp.max(r_first2), log_t)
+    grid = jnp.linspace(0.0, 1.0, _GRID) * eps_hi
+    r3 = jnp.concatenate([r_first2, rc[None]])
+    tab, dtab = _log_theta_slope(grid[None, :], r3[:, None])
+    return grid, tab, dtab
 
 
 def _contraction_eps_grid(r_first2, rc, later, sel, log_t):
@@ -131,11 +164,8 @@ def _contraction_eps_grid(r_first2, rc, later, sel, log_t):
     at the candidate.
     """
     sg = jax.lax.stop_gradient
-    eps_hi = sg(_eps_bracket(jnp.max(r_first2), log_t))
-    grid = jnp.linspace(0.0, 1.0, _GRID) * eps_hi
-    r2, rc_s, lt_s = sg(r_first2), sg(rc), sg(_safe_target(log_t))
-    r3 = jnp.concatenate([r2, rc_s[None]])
-    tab, dtab = _log_theta_slope(grid[None, :], r3[:, None])
+    lt_s = sg(_safe_target(log_t))
+    grid, tab, dtab = _grid_table(sg(r_first2), sg(rc), sg(log_t))
     a_flat, da_flat = tab[:2].reshape(-1), dtab[:2].reshape(-1)
     b_tab, db_tab = tab[2], dtab[2]
     has_later = later > 0
@@ -182,26 +212,31 @@ def _contraction_eps_grid(r_first2, rc, later, sel, log_t):
     r_pair = sg(jnp.stack([r_sel, jnp.broadcast_to(rc, r_sel.shape)], axis=-1))
 
     def exact(x):
-        """(h(x), h'(x)) of the exact bound (safe target), one evaluation of both θ."""
-        lt, sl = _log_theta_slope(x[..., None], r_pair)
+        """(log δ(x), ∂_ε log δ(x), ∂_r1, ∂_rc) of the exact bound: one evaluation of both θ."""
+        lt, d_e, d_r = _theta_partials(x[..., None], r_pair)
         tail = jnp.where(has_later, k_s * lt[..., 1], 0.0)
-        dtail = jnp.where(has_later, k_s * sl[..., 1], 0.0)
-        return lt[..., 0] + tail - lt_s, sl[..., 0] + dtail
+        dtail = jnp.where(has_later, k_s * d_e[..., 1], 0.0)
+        return lt[..., 0] + tail, d_e[..., 0] + dtail, d_r[..., 0], jnp.where(has_later, k_s * d_r[..., 1], 0.0)
 
     # The Hermite root can be far off where log θ bends sharply inside one cell (e.g. a
     # large first ratio with several passes stretches the grid). Safeguarded Newton on
     # the exact bound, kept inside the bracket [lo, hi] (h(lo) > 0 ≥ h(hi)), makes the
-    # result exact to float64 precision; a step leaving the bracket is a bisection.
-    def newton(_, state):
-        x, lo_x, hi_x = state
-        h, dh = exact(x)
+    # result exact to float64 precision; a step leaving the bracket is a bisection. The
+    # extra last pass only evaluates the final candidate (one traced copy of θ for both).
+    def newton(i, state, final):
+        x, lo_x, hi_x, _ = state
+        last = i == _NEWTON_ITERS
+        x = jnp.where(last, final(x, hi_x), x)
+        v, dv, p1, pc = exact(x)
+        h = v - lt_s
         pos_h = h > 0
-        lo_x = jnp.where(pos_h, x, lo_x)
-        hi_x = jnp.where(pos_h, hi_x, x)
-        step = jnp.where(jnp.isfinite(dh) & (dh < 0) & jnp.isfinite(h), h / jnp.where(dh < 0, dh, -1.0), jnp.nan)
+        lo_n = jnp.where(pos_h, x, lo_x)
+        hi_n = jnp.where(pos_h, hi_x, x)
+        step = jnp.where(jnp.isfinite(dv) & (dv < 0) & jnp.isfinite(h), h / jnp.where(dv < 0, dv, -1.0), jnp.nan)
         nxt = x - step
-        inside = (nxt > lo_x) & (nxt < hi_x)
-        return jnp.where(inside, nxt, 0.5 * (lo_x + hi_x)), lo_x, hi_x
+        inside = (nxt > lo_n) & (nxt < hi_n)
+        nxt = jnp.where(inside, nxt, 0.5 * (lo_n + hi_n))
+        return jnp.where(last, x, nxt), jnp.where(last, lo_x, lo_n), jnp.where(last, hi_x, hi_n), (v, dv, p1, pc)
 
     # Common path: the Hermite root plus a margin, certified by one exact evaluation, and
     # its Hermite slope (for the tightness test and the implicit gradient only).
@@ -210,35 +245,73 @@ def _contraction_eps_grid(r_first2, rc, later, sel, log_t):
           + (3 * t * t - 2 * t) * d1) / jnp.where(w > 0, w, 1.0)
     x0 = sg(e0 + t_hi * w)
     cand = sg(jnp.minimum(x0 + _MARGIN_REL * x0 + _MARGIN_ABS, e1))
-    g = _log_delta_from(cand, r_sel, rc, later) - log_t
-    certified = sg(g + log_t) <= lt_s
+    v_c, _, p1, pc = exact(cand)
+    certified = v_c <= lt_s
     # Not tight: not certified, or the Newton distance to the root exceeds the tolerance.
-    dist = jnp.abs(sg(g + log_t - lt_s) / jnp.where(dg < 0, sg(dg), -1.0))
+    dist = jnp.abs((v_c - lt_s) / jnp.where(dg < 0, sg(dg), -1.0))
     loose = (~at_zero) & ((~certified) | ~(dg < 0) | ~(dist <= _TIGHT_REL * cand + _MARGIN_ABS))
 
     def polish(args):
-        # Safeguarded Newton on the exact bound from the Hermite guess, inside the cell.
-        x_n, _, hi_n = jax.lax.fori_loop(0, _NEWTON_ITERS, newton, (x0, sg(e0), sg(e1)))
-        c2 = sg(jnp.minimum(x_n + _MARGIN_REL * x_n + _MARGIN_ABS, hi_n))
-        c2 = jnp.where(loose, c2, cand)
-        g2 = _log_delta_from(c2, r_sel, rc, later) - log_t
-        _, dg2 = exact(c2)
-        cert2 = sg(g2 + log_t) <= lt_s
-        return c2, g2, jnp.where(loose, dg2, dg), cert2, jnp.where(loose, hi_n, e1)
+        # Safeguarded Newton on the exact bound from the Hermite guess, inside the cell; the
+        # last pass evaluates the new candidate (the old one where the Hermite root was tight).
+        def final(x_n, hi_n):
+            return jnp.where(loose, jnp.minimum(x_n + _MARGIN_REL * x_n + _MARGIN_ABS, hi_n), cand)
 
-    cand, g, dg, certified, e1 = jax.lax.cond(
-        jnp.any(loose), polish, lambda args: args, (cand, g, dg, certified, sg(e1))
+        zero = jnp.zeros_like(x0)
+        c2, _, hi_n, (v2, dv2, p1_2, pc_2) = jax.lax.fori_loop(
+            0, _NEWTON_ITERS + 1, functools.partial(newton, final=final), (x0, sg(e0), sg(e1), (zero,) * 4))
+        return c2, v2, jnp.where(loose, dv2, dg), v2 <= lt_s, jnp.where(loose, hi_n, e1), p1_2, pc_2
+
+    cand, v_c, dg, certified, e1, p1, pc = jax.lax.cond(
+        jnp.any(loose), polish, lambda args: args, (cand, v_c, dg, certified, sg(e1), p1, pc)
     )
     eps0 = sg(jnp.where(at_zero, 0.0, jnp.where(certified, cand, e1)))
+    # g = log δ(cand) − log δ_t with its tangent in (r_sel, rc, log δ_t) at the candidate.
+    g = v_c - log_t + (_tangent(r_sel, p1) + _tangent(jnp.broadcast_to(rc, r_sel.shape), pc))
     dg = sg(dg)
     use = (~at_zero) & jnp.isfinite(dg) & (dg < 0) & jnp.isfinite(g)
     corr = (jnp.where(use, g, 0.0) - sg(jnp.where(use, g, 0.0))) / jnp.where(use, dg, -1.0)
     return eps0 - jnp.where(use, corr, 0.0)
 
 
-@functools.partial(jax.jit, static_argnames=("sc_form",))
-def _privacy_core(pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt, sc_form):
-    """All analyses for scalar run parameters and a flat vector of positions."""
+def _bucket(size: int) -> int:
+    """The padded length for ``size`` positions, so that nearby sizes share compiled programs.
+
+    At least 8; with P the next power of two, the next multiple of P/4 (one of 3P/4, P:
+    at most 50% padding, for P ≤ 1024, where compiling dominates), or of P/16 beyond
+    (at most 12.5% padding, where running dominates).
+    """
+    if size <= 8:
+        return 8
+    p = 1 << (size - 1).bit_length()
+    step = p // 4 if p <= 1024 else p // 16
+    return -(-size // step) * step
+
+
+def _privacy_core(pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt, sc_form, size=None, shape=None):
+    """All analyses for scalar run parameters and a flat vector of positions.
+
+    Several compiled programs, not one: the setup, the parts of the analyses, the minimum. XLA's
+    compile time grows faster than the size of a program, so the parts compile in about
+    half the time of the whole (and the composition's, which does not depend on the number
+    of positions, is compiled once for all). Under a caller's ``jit`` they are inlined.
+    The outputs are the first ``size`` entries reshaped to ``shape`` (default: all, flat).
+    """
+    st = _privacy_setup(pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt)
+    eps_c = _contraction_part(st["r_first2"], st["rc"], st["later"], st["sel"], st["log_t"])
+    eps_i, eps_s = _rdp_part(st["pos_s"], st["n_s"], st["lip_s"], st["sig_s"], st["b_s"], st["k_s"], st["m_c"], dlt,
+                             st["scal_ok"], sc_form=sc_form)
+    eps_g2 = _composition_part(st["r_comp2"], st["log_t"])
+    mu = _shifted_mu_part(st["pos_s"], st["n_s"], st["lip_s"], beta, rho, st["eta_s"], st["sig_s"], st["dia_s"],
+                          st["b_s"], st["k_s"], st["scal_ok"])
+    eps_sh = _gdp_part(mu, st["log_t"])
+    size = pos.shape[0] if size is None else size
+    shape = (size,) if shape is None else tuple(shape)
+    return _combine(st["valid"], st["sel"], eps_c, eps_i, eps_s, eps_g2, eps_sh, size=size, shape=shape)
+
+
+@jax.jit
+def _privacy_setup(pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt):
     step_ok, m_c = _contraction_factor(eta, beta, rho)
     scal_ok = (
         step_ok
@@ -274,29 +347,50 @@ def _privacy_core(pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt, sc_form):
     j = jnp.ceil(pos_s / b_s)
     sel = (j >= m).astype(jnp.int32)
     later = m - j
-    eps_c = _contraction_eps_grid(r_first2, rc, later, sel, log_t)
+    # Composition: one Gaussian mechanism with r = 2L√k/(b_j σ); two values.
+    r_comp2 = 2.0 * lip_s * jnp.sqrt(k_s) / (b2 * sig_s)
+    return dict(scal_ok=scal_ok, valid=valid, sig_s=sig_s, eta_s=eta_s, dia_s=dia_s, b_s=b_s, k_s=k_s, n_s=n_s,
+                lip_s=lip_s, log_t=log_t, pos_s=pos_s, m_c=m_c, rc=rc, r_first2=r_first2, sel=sel, later=later,
+                r_comp2=r_comp2)
+
+
+_contraction_part = jax.jit(_contraction_eps_grid)
+
+
+@functools.partial(jax.jit, static_argnames=("sc_form",))
+def _rdp_part(pos_s, n_s, lip_s, sig_s, b_s, k_s, m_c, dlt, scal_ok, sc_form):
     # Iteration (Feldman): valid for ρ ≥ 0 because η ≤ 2/(β+ρ) ≤ 2/β.
     v_i, c_i = _pabi_coefficient(pos_s, n_s, lip_s, sig_s, b_s, k_s)
-    eps_i = _linear_eps_masked(c_i, dlt, v_i & scal_ok, "improved")
     v_s, c_s = _sc_coefficient(pos_s, n_s, lip_s, sig_s, m_c, b_s, sc_form)
-    eps_s = _linear_eps_masked(c_s, dlt, v_s & scal_ok, "improved")
-    eps_s = jnp.where(k_s > 1, jnp.inf, eps_s)
-    # Composition: the exact ε of one Gaussian mechanism with r = 2L√k/(b_j σ); two values.
-    r_comp2 = 2.0 * lip_s * jnp.sqrt(k_s) / (b2 * sig_s)
+    # Both RDP coefficients converted in one call (one traced copy of the order search).
+    eps_is = _linear_eps_masked(jnp.stack([c_i, c_s], -1), dlt, jnp.stack([v_i, v_s], -1) & scal_ok, "improved")
+    eps_i, eps_s = eps_is[..., 0], eps_is[..., 1]
+    return eps_i, jnp.where(k_s > 1, jnp.inf, eps_s)
+
+
+@jax.jit
+def _composition_part(r_comp2, log_t):
+    """The exact ε of the two possible composed Gaussian mechanisms (full and last batch)."""
     zero2 = jnp.zeros(2)
-    eps_g2 = _solve_eps(
+    return _solve_eps(
         lambda e, r_, lt_: _log_delta_from(e, r_, r_, zero2) - lt_,
         (r_comp2, log_t),
         zero2,
         _eps_bracket(r_comp2, log_t),
-        slope_fn=lambda e, r_, lt_: _log_delta_slope(e, r_, r_, zero2),
     )
+
+
+# Shifted interpolation: μ-GDP per record, exact conversion δ(ε) = θ_{e^ε}(μ). Two
+# programs: XLA compiles them in ~3 s apart, ~4.2 s as one.
+_shifted_mu_part = jax.jit(lambda *a: _shifted_mu(*a))
+_gdp_part = jax.jit(lambda mu, log_t: _gdp_eps(mu, log_t))
+
+
+@functools.partial(jax.jit, static_argnames=("size", "shape"))
+def _combine(valid, sel, eps_c, eps_i, eps_s, eps_g2, eps_sh, size, shape):
     eps_g = jnp.where(sel == 1, eps_g2[1], eps_g2[0])
-    # Shifted interpolation: μ-GDP per record, exact conversion δ(ε) = θ_{e^ε}(μ).
-    mu = _shifted_mu(pos_s, n_s, lip_s, beta, rho, eta_s, sig_s, dia_s, b_s, k_s, scal_ok)
-    eps_sh = _gdp_eps(mu, log_t)
     best = jnp.minimum(jnp.minimum(jnp.minimum(eps_c, eps_i), jnp.minimum(eps_s, eps_g)), eps_sh)
-    nan = lambda x: nan_unless(valid, x)  # noqa: E731
+    nan = lambda x: jnp.reshape(nan_unless(valid, x)[:size], shape)  # noqa: E731
     return nan(eps_c), nan(eps_i), nan(eps_s), nan(eps_g), nan(eps_sh), nan(best)
 
 
@@ -316,31 +410,31 @@ def _gdp_eps(mu, log_t):
     mu_s = sg(mu)
     hi0 = sg(_eps_bracket(mu_s, log_t))
 
-    def h_slope(x):
-        lt, sl = _log_theta_slope(x, mu_s)
-        return lt - lt_s, sl
-
-    def newton(_, state):
+    # The extra last pass evaluates the candidate (the iterate plus a margin, inside the
+    # bracket) and keeps the bracket's certified end: hi becomes the candidate where it is
+    # certified. One traced copy of θ serves the iterations and the check.
+    def newton(i, state):
         x, lo, hi = state
-        h, dh = h_slope(x)
+        last = i == _GDP_NEWTON_ITERS
+        x = jnp.where(last, jnp.minimum(x + _MARGIN_REL * x + _MARGIN_ABS, hi), x)
+        lt, dh, _ = _theta_partials(x, mu_s)
+        h = lt - lt_s
         above = h > 0
         lo = jnp.where(above, x, lo)
-        hi = jnp.where(above, hi, x)
+        hi = jnp.where(last, jnp.where(h <= 0, x, hi), jnp.where(above, hi, x))
         ok = jnp.isfinite(h) & jnp.isfinite(dh) & (dh < 0)
         nxt = x - jnp.where(ok, h / jnp.where(ok, dh, -1.0), jnp.nan)
         inside = (nxt > lo) & (nxt < hi)
         return jnp.where(inside, nxt, 0.5 * (lo + hi)), lo, hi
 
-    x, _, hi = jax.lax.fori_loop(0, _GDP_NEWTON_ITERS, newton, (hi0, jnp.zeros_like(hi0), hi0))
-    cand = jnp.minimum(x + _MARGIN_REL * x + _MARGIN_ABS, hi)
-    h_c, _ = h_slope(cand)
-    eps0 = jnp.where(h_c <= 0, cand, hi)
-    h_0, _ = h_slope(jnp.zeros_like(hi0))
-    at_zero = h_0 <= 0
-    eps0 = sg(jnp.where(at_zero, 0.0, eps0))
-    # Implicit derivative: d ε = -(∂_μ log θ dμ - d log δ)/∂_ε log θ at the returned ε.
-    g = _lt(eps0, mu) - log_t
-    _, dg = h_slope(eps0)
+    _, _, eps_c = jax.lax.fori_loop(0, _GDP_NEWTON_ITERS + 1, newton, (hi0, jnp.zeros_like(hi0), hi0))
+    # One evaluation at (ε, 0): whether ε = 0 already meets the target, and the slope and
+    # μ-derivative at ε for the implicit derivative dε = -(∂_μ log θ dμ - d log δ)/∂_ε log θ.
+    lt2, d_e2, d_r2 = _theta_partials(jnp.stack([eps_c, jnp.zeros_like(eps_c)], -1), mu_s[..., None])
+    at_zero = lt2[..., 1] - lt_s <= 0
+    eps0 = sg(jnp.where(at_zero, 0.0, eps_c))
+    g = lt2[..., 0] - log_t + _tangent(mu, d_r2[..., 0])
+    dg = d_e2[..., 0]
     use = (~at_zero) & jnp.isfinite(dg) & (dg < 0) & jnp.isfinite(g)
     corr = (jnp.where(use, g, 0.0) - sg(jnp.where(use, g, 0.0))) / jnp.where(use, dg, -1.0)
     return eps0 - jnp.where(use, corr, 0.0)
@@ -353,7 +447,8 @@ def _shifted_mu(pos, n, lip, beta, rho, eta, sig, dia, b, k, ok):
     n, lip, eta, sig, dia, b, k, lc = (jnp.broadcast_to(x, shape) for x in (n, lip, eta, sig, dia, b, k, lc))
     energy = _shifted_energy(pos, n, lip, eta, dia, b, k, lc)
     pos_e = energy > 0
-    return jnp.where(pos_e, jnp.sqrt(jnp.where(pos_e, energy, 1.0)), 0.0) / sig
+    mu = jnp.where(pos_e, jnp.sqrt(jnp.where(pos_e, energy, 1.0)), 0.0) / sig
+    return mu
 
 
 @float64
@@ -460,7 +555,7 @@ def pnsgd_privacy(
                     f"got {num_records!r}. Pass positions explicitly to trace num_records."
                 )
         check_integer("num_records", num_records)
-        pos = jnp.arange(1, num_records + 1, dtype=jnp.float64)
+        pos = jnp.asarray(np.arange(1, num_records + 1, dtype=np.float64))
     else:
         check_positions(positions, num_records)
         pos = f64(positions)
@@ -486,7 +581,14 @@ def pnsgd_privacy(
             )
         scalars[name] = arr
     shape = jnp.shape(pos)
-    flat = jnp.reshape(pos, (-1,))
+    size = math.prod(shape)
+    if _validate.is_concrete(pos):
+        # Concrete positions are padded (with position 1) to a bucket size, so that runs of
+        # nearby sizes reuse one compiled program; the padding is cut off in _combine.
+        flat_np = np.asarray(pos, np.float64).reshape(-1)
+        flat = jnp.asarray(np.concatenate([flat_np, np.ones(_bucket(size) - size)]))
+    else:
+        flat = jnp.reshape(pos, (-1,))
     s = scalars
     outs = _privacy_core(
         flat,
@@ -501,8 +603,10 @@ def pnsgd_privacy(
         s["passes"],
         s["delta"],
         sc_form=strongly_convex_form,
+        size=size,
+        shape=shape,
     )
-    eps_c, eps_i, eps_s, eps_g, eps_sh, best = (jnp.reshape(x, shape) for x in outs)
+    eps_c, eps_i, eps_s, eps_g, eps_sh, best = outs
     return PNSGDPrivacy(
         positions=pos,
         contraction=eps_c,
@@ -514,42 +618,83 @@ def pnsgd_privacy(
     )
 
 
-def _constraints(sig, eps_t, log_dt, pos, n, lip, beta, rho, eta, dia, b, k, analysis, sc_form):
+def _constraints(sig, eps_t, log_dt, pos, n, lip, beta, rho, eta, dia, b, k, analysis, sc_form, with_h=True):
     """Per analysis: (certified at σ, h(σ)) with h ≤ 0 the plain constraint, decreasing in σ.
 
     The certification applies the safety margins (log target lowered by 1e-12 relative, ε
-    target by 1e-12); h, used only for derivatives, does not.
+    target by 1e-12); h, used only for derivatives, does not (``with_h=False``: h is not
+    computed, and is None). Every θ the analyses need (at the safe and, with h, the plain
+    target) is evaluated in one stacked call, and both RDP coefficients are converted in
+    one call: one traced copy of each (compile time grows with every copy).
     """
     _, m_c = _contraction_factor(eta, beta, rho)
     _, r_first, rc, later = _pnsgd_setup(pos, n, lip, sig, eta, dia, m_c, b, k)
     dt = jnp.exp(log_dt)
     safe_log_dt = _safe_target(log_dt)
     safe_eps_t = eps_t * (1.0 - _SAFETY_REL)  # RDP-based ε must beat the target with margin too
+    use = {a: analysis in ("best", a) for a in ("contraction", "iteration", "strongly_convex", "shifted_gdp", "composition")}
+    # θ columns: contraction (r_first, rc), shifted (μ), composition (2L√k/(b_j σ)).
+    ratios = []
+    if use["contraction"]:
+        ratios += [r_first, rc]
+    if use["shifted_gdp"]:
+        ratios.append(_shifted_mu(pos, n, lip, beta, rho, eta, sig, dia, b, k, jnp.ones(jnp.shape(pos), bool)))
+    if use["composition"]:
+        ratios.append(_composition_r(pos, n, lip, sig, b, k))
+    lt = {}
+    if ratios:
+        shape = jnp.broadcast_shapes(*(jnp.shape(x) for x in ratios + [eps_t]))
+        rr = jnp.stack([jnp.broadcast_to(x, shape) for x in ratios], -1)
+        ee = jnp.stack([jnp.broadcast_to(x, shape) for x in ((safe_eps_t, eps_t) if with_h else (safe_eps_t,))], -1)
+        ee, rr = jnp.broadcast_arrays(ee[..., :, None], rr[..., None, :])
+        theta, _ = _log_theta_and_complement(ee, rr)
+        for which, i in (("safe", 0), ("plain", 1)) if with_h else (("safe", 0),):
+            cols = iter(range(len(ratios)))
+            if use["contraction"]:
+                lt[which, "contraction"] = (theta[..., i, next(cols)], theta[..., i, next(cols)])
+            if use["shifted_gdp"]:
+                lt[which, "shifted_gdp"] = theta[..., i, next(cols)]
+            if use["composition"]:
+                lt[which, "composition"] = theta[..., i, next(cols)]
+    coef = []
+    if use["iteration"]:
+        coef.append(_pabi_coefficient(pos, n, lip, sig, b, k))
+    if use["strongly_convex"]:
+        coef.append(_sc_coefficient(pos, n, lip, sig, m_c, b, sc_form))
+    if coef:
+        shape = jnp.broadcast_shapes(*(jnp.shape(x) for vc in coef for x in vc), jnp.shape(dt))
+        e_all = _linear_eps_masked(jnp.stack([jnp.broadcast_to(c, shape) for _, c in coef], -1), dt[..., None],
+                                   jnp.stack([jnp.broadcast_to(v, shape) for v, _ in coef], -1), "improved")
+        e_lin = iter([e_all[..., i] for i in range(len(coef))])
+
+    def delta_of(t1, tc):  # log δ of the contraction bound from its two log θ (as _log_delta_from)
+        has_later = later > 0
+        return t1 + jnp.where(has_later, later * jnp.where(has_later, tc, 0.0), 0.0)
+
+    def plain(key, fn):
+        return fn(lt["plain", key]) - log_dt if with_h else None
+
     out = {}
-    if analysis in ("best", "contraction"):
-        out["contraction"] = (_log_delta_from(safe_eps_t, r_first, rc, later) <= safe_log_dt,
-                              _log_delta_from(eps_t, r_first, rc, later) - log_dt)
-    if analysis in ("best", "iteration"):
-        v, c = _pabi_coefficient(pos, n, lip, sig, b, k)
-        e = _linear_eps_masked(c, dt, v, "improved")
+    if use["contraction"]:
+        out["contraction"] = (delta_of(*lt["safe", "contraction"]) <= safe_log_dt,
+                              plain("contraction", lambda v: delta_of(*v)))
+    if use["iteration"]:
+        e = next(e_lin)
         out["iteration"] = (e <= safe_eps_t, e - eps_t)
-    if analysis in ("best", "strongly_convex"):
-        v, c = _sc_coefficient(pos, n, lip, sig, m_c, b, sc_form)
-        e = _linear_eps_masked(c, dt, v, "improved")
+    if use["strongly_convex"]:
+        e = next(e_lin)
         out["strongly_convex"] = ((e <= safe_eps_t) & (k <= 1), e - eps_t)
-    if analysis in ("best", "shifted_gdp"):
-        mu = _shifted_mu(pos, n, lip, beta, rho, eta, sig, dia, b, k, jnp.ones(jnp.shape(pos), bool))
-        out["shifted_gdp"] = (_lt(safe_eps_t, mu) <= safe_log_dt, _lt(eps_t, mu) - log_dt)
-    if analysis in ("best", "composition"):
-        lt, _ = _log_theta_and_complement(eps_t, _composition_r(pos, n, lip, sig, b, k))
-        lt_safe, _ = _log_theta_and_complement(safe_eps_t, _composition_r(pos, n, lip, sig, b, k))
-        out["composition"] = (lt_safe <= safe_log_dt, lt - log_dt)
+    if use["shifted_gdp"]:
+        out["shifted_gdp"] = (lt["safe", "shifted_gdp"] <= safe_log_dt, plain("shifted_gdp", lambda v: v))
+    if use["composition"]:
+        out["composition"] = (lt["safe", "composition"] <= safe_log_dt, plain("composition", lambda v: v))
     return out
 
 
 def _feasible(log_sig, eps_t, log_dt, pos, n, lip, beta, rho, eta, dia, b, k, analysis, sc_form):
     """Whether the analysis certifies (ε_t, δ_t) at σ = exp(log_sig) (monotone in σ)."""
-    out = _constraints(jnp.exp(log_sig), eps_t, log_dt, pos, n, lip, beta, rho, eta, dia, b, k, analysis, sc_form)
+    out = _constraints(jnp.exp(log_sig), eps_t, log_dt, pos, n, lip, beta, rho, eta, dia, b, k, analysis, sc_form,
+                       with_h=False)
     ok = None
     for v, _ in out.values():
         ok = v if ok is None else (ok | v)

@@ -167,20 +167,20 @@ def _shifted_energy(pos, n, lip, eta, dia, b, k, lc):
 
     lo, hi = jax.lax.while_loop(cond, body, (r_lo0, r_hi0))
     cands = jnp.stack([lo, jnp.minimum(lo + 1.0, hi), jnp.minimum(lo + 2.0, hi)], axis=-1)
-    # The least of the three by selects (argmin and gathers break vmap/grad with x64 off).
-    vals = f(cands)
-    best_r, best_v = cands[..., 0], vals[..., 0]
-    for i in (1, 2):
-        better = vals[..., i] < best_v
-        best_r = jnp.where(better, cands[..., i], best_r)
-        best_v = jnp.where(better, vals[..., i], best_v)
     any_start = r_lo0 <= r_hi0
-    best_r = sg(jnp.where(any_start, best_r, 1.0))
-    # The run's start (distance 0, first use at j, k uses) and the best later start
-    # (distance D, first use m steps later, best_r uses), in one evaluation.
-    st = lambda a, b_: jnp.stack(jnp.broadcast_arrays(a, b_), axis=-1)  # noqa: E731
-    both = _energy(st(j, m), st(k, best_r), st(0.0, z0), delta_s[..., None], m[..., None], e[..., None], lc[..., None])
-    e_start, e_diam = both[..., 0], jnp.where(any_start, both[..., 1], jnp.inf)
+    cands = sg(jnp.where(any_start[..., None], cands, 1.0))
+    # One evaluation (one traced copy of the energy): the run's start (distance 0, first use
+    # at j, k uses) and the three later starts left by the search (distance D, first use m
+    # steps later); the least of the three later ones by selects (argmin and gathers break
+    # vmap/grad with x64 off).
+    st = lambda a, b_: jnp.concatenate([a[..., None], b_], axis=-1)  # noqa: E731
+    ones3 = jnp.ones(cands.shape)
+    all4 = _energy(st(j, m[..., None] * ones3), st(k, cands), st(jnp.zeros_like(z0), z0[..., None] * ones3),
+                   delta_s[..., None], m[..., None], e[..., None], lc[..., None])
+    e_start, best_v = all4[..., 0], all4[..., 1]
+    for i in (2, 3):
+        best_v = jnp.where(sg(all4[..., i] < best_v), all4[..., i], best_v)
+    e_diam = jnp.where(any_start, best_v, jnp.inf)
     return jnp.minimum(e_start, e_diam) * (1.0 + _REL_SLACK)
 
 

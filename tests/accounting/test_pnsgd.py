@@ -81,6 +81,13 @@ def test_fig2_contraction_against_mpmath(fig2_run):
     # Notes: i = 39 → 2.75400907565, i = 40 → 4.37717809568.
     assert float(out.contraction[38]) == pytest.approx(2.75400907565, rel=1e-10)
     assert float(out.contraction[39]) == pytest.approx(4.37717809568, rel=1e-10)
+    # Positions of any shape are padded to a bucket size (48 for 40 or 42 positions) and cut
+    # back: the values are the full run's, reshaped (and no analysis is compiled again).
+    idx = np.resize(np.arange(40, 0, -1), 42).reshape(6, 7)
+    with jax.enable_x64(True):
+        sub = P.pnsgd_privacy(**FIG2, positions=idx)
+    for name in out._fields[1:]:
+        np.testing.assert_array_equal(np.asarray(getattr(sub, name)), np.asarray(getattr(out, name))[idx - 1], err_msg=name)
 
 
 def test_fig2_iteration_and_composition(fig2_run):
@@ -193,14 +200,15 @@ def test_errors_name_the_parameter():
 
 
 def test_traced_invalid_inputs_give_nan(fig2_run):
-    # Under jit the public function runs this jitted core with traced values (the eager
-    # validators are skipped); same shapes as the fixture, so no new compile.
+    # Under jit the public function runs this core with traced values (the eager
+    # validators are skipped); same shapes as the fixture (its 40 positions padded to the
+    # bucket size, cut back to 40), so no new compile.
     f64 = lambda x: jnp.asarray(x, jnp.float64)  # noqa: E731
-    pos = jnp.arange(1, 41, dtype=jnp.float64)
+    pos = jnp.asarray(np.concatenate([np.arange(1, 41), np.ones(P._bucket(40) - 40)]))
 
     def run(noise_std=2.0, learning_rate=0.5, diameter=1.0, delta=1e-5, rho=0.0):
         args = [f64(x) for x in (40, 1.0, 0.5, rho, learning_rate, noise_std, diameter, 1, 1, delta)]
-        return np.asarray(P._privacy_core(pos, *args, sc_form="proposition1")[-1])
+        return np.asarray(P._privacy_core(pos, *args, sc_form="proposition1", size=40, shape=(40,))[-1])
 
     np.testing.assert_array_equal(run(), np.asarray(fig2_run.best))
     for bad in (dict(noise_std=-1.0), dict(learning_rate=4.5), dict(diameter=0.0), dict(delta=1.0), dict(rho=0.6)):
