@@ -10,8 +10,11 @@ Contenders, all in this process (synthetic data: random unit-norm images, random
 the timing does not depend on the values):
 
 * ``jaxdp dpsgd_step``: :func:`jaxdp.training.dpsgd_step` (Poisson sample of rate
-  256/N over N records into a static capacity from :func:`batch_capacity`, the
-  clipped-gradient sum on the fast path, Gaussian noise, SGD), jitted;
+  256/N over N records into a static capacity from :func:`batch_capacity` at
+  ``--overflow``, by default 1e-2 as ``train`` uses; the clipped-gradient sum on the fast
+  path, Gaussian noise, SGD), jitted;
+* ``jaxdp in scan``: the same step in a rolled ``lax.scan`` (a ``while`` loop), as
+  ``train`` runs it;
 * ``jaxdp vmap``: the same step with ``use_fast_path=False`` (``vmap(grad)``);
 * ``jax non-private``: gradient of the mean loss on a fixed batch of 256 and an SGD step;
 * ``noise draw``: the Gaussian noise for all parameters alone (``add_gaussian_noise``);
@@ -20,7 +23,7 @@ the timing does not depend on the values):
   (``grad_sample_mode="ghost"``, fast gradient clipping) on the equivalent ``torch.nn``
   model, a fixed batch of 256 (Opacus' Poisson loader would only vary the batch size).
 
-JAX steps are timed inside an unrolled ``lax.scan`` of ``--scan`` steps, after compilation; PyTorch
+JAX steps (except ``jaxdp in scan``) are timed inside an unrolled ``lax.scan`` of ``--scan`` steps, after compilation; PyTorch
 steps in a Python loop of ``--inner`` steps. Each figure is the median over ``--repeats``
 timed blocks. Run::
 
@@ -114,7 +117,7 @@ def torch_model(name):
                          nn.Flatten(), nn.Linear(7 * 7 * 32, 10))
 
 
-def bench_jax(name, x, y, repeats, scan):
+def bench_jax(name, x, y, repeats, scan, overflow=1e-2):
     import jax
     import jax.numpy as jnp
     import optax
@@ -127,14 +130,15 @@ def bench_jax(name, x, y, repeats, scan):
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     xs, ys = jnp.asarray(x), jnp.asarray(y)
     q = B / N
-    capacity = batch_capacity(N, q)
+    capacity = batch_capacity(N, q, overflow)
     out = {"capacity": capacity}
 
-    def timed(step, carry, length=scan):
+    def timed(step, carry, length=scan, unroll=True):
         @jax.jit
         def run(carry):
-            # Unrolled: XLA on CPU runs convolutions inside a while loop ~10x slower.
-            return jax.lax.scan(lambda c, _: (step(c), None), carry, None, length=length, unroll=True)[0]
+            # Unrolled: XLA on CPU runs non-canonical convolutions (the plain JAX gradient's)
+            # inside a while loop 10-25x slower.
+            return jax.lax.scan(lambda c, _: (step(c), None), carry, None, length=length, unroll=unroll)[0]
 
         carry = jax.block_until_ready(run(carry))  # compile
 
@@ -155,6 +159,8 @@ def bench_jax(name, x, y, repeats, scan):
 
         # The vmap path is slow (per-example gradients materialised): fewer steps per block.
         out[label] = timed(step, (params, tx.init(params), jax.random.key(2)), scan if fast is None else min(scan, 3))
+        if fast is None:
+            out["jaxdp in scan"] = timed(step, (params, tx.init(params), jax.random.key(2)), unroll=False)
 
     xb, yb = xs[:B], ys[:B]
 
@@ -243,6 +249,8 @@ def main(argv=None) -> int:
                          "intra_op_parallelism_threads=1' and --torch-threads 1, or idle threads count)")
     ap.add_argument("--torch-threads", type=int, default=None)
     ap.add_argument("--no-opacus", action="store_true", help="skip the Opacus contenders")
+    ap.add_argument("--overflow", type=float, default=1e-2,
+                    help="batch_capacity's overflow probability for the padded batch (train uses 1e-2)")
     args = ap.parse_args(argv)
     global _CLOCK
     _CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -259,11 +267,11 @@ def main(argv=None) -> int:
     print(f"expected batch {B} (Poisson, q = {B}/{N}), float32; median of {args.repeats} blocks; ms per step "
           f"({'CPU' if args.clock == 'cpu' else 'wall'} time)\n")
     x, y = data()
-    header = ("jaxdp dpsgd_step", "jaxdp vmap", "jax non-private", "noise draw", "clipped sum", "opacus default",
+    header = ("jaxdp dpsgd_step", "jaxdp in scan", "jaxdp vmap", "jax non-private", "noise draw", "clipped sum", "opacus default",
               "opacus ghost")
     rows = []
     for name in args.models.split(","):
-        res = bench_jax(name, x, y, args.repeats, args.scan)
+        res = bench_jax(name, x, y, args.repeats, args.scan, args.overflow)
         nan = float("nan")
         res.update({"opacus default": nan, "opacus ghost": nan} if args.no_opacus
                    else bench_torch(name, x, y, args.repeats, args.inner))

@@ -31,6 +31,13 @@ from ._dpsgd import batch_capacity, dpsgd, dpsgd_step
 from ._ledger import NOT_PRIVATE, DPSGDLedger, privacy_report
 
 _FORMAT = 1
+# The padded batch: a second chunk in about 1% of steps (the overflow never drops a sampled
+# record, so this is speed only). Expected rows per step, c·(1 + P(S > c)), are within a
+# few percent of their flat minimum from 1% to 5% overflow, against c ≈ mean + 4.9 sd for
+# 1e-6 (256/10,000: 293 rows against 334, 11% fewer). The overflow chunk runs in a while
+# loop, whose convolutions are as fast as straight-line ones since the clipping code writes
+# them in XLA's canonical form (_clipping._canonical_conv).
+_OVERFLOW = 1e-2
 
 
 def train_dpsgd(model, x, y, x_test, y_test, *, loss_fn, learning_rate, optimizer, noise_multiplier, clip_norm,
@@ -56,7 +63,7 @@ def train_dpsgd(model, x, y, x_test, y_test, *, loss_fn, learning_rate, optimize
     q = batch_size / n
     steps_per_pass = math.ceil(n / batch_size)
     total = passes * steps_per_pass
-    capacity = batch_capacity(n, q)
+    capacity = batch_capacity(n, q, overflow=_OVERFLOW)
     if steps_per_call is None:
         steps_per_call = steps_per_pass
     if checkpoint_every is None:

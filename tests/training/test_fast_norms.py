@@ -7,6 +7,7 @@ loop, with norms and clipped sums formed in NumPy float64 (``_loop_grads`` and
 
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -140,6 +141,15 @@ def test_fast_norms_float32_jitted_with_mask():
     for a, b in zip(jax.tree.leaves(fast.grad_sum), ref_sum, strict=True):
         assert a.dtype == jnp.float32
         np.testing.assert_allclose(a, b, rtol=F32_TOL, atol=F32_TOL * float(np.max(np.abs(b))))
+    # Every convolution (the forward ones, the input and filter gradients, the grouped
+    # per-example filter gradients; strided and dilated here) is in XLA's canonical form:
+    # on CPU a non-canonical one inside a scan over steps runs 10-25x slower. The vmap path
+    # too (lowering only: a trace, no compilation).
+    vmap_run = jax.jit(lambda p: clipped_grad_sum(softmax_cross_entropy_loss, nnx.merge(graphdef, p, rest), (x, y),
+                                                  0.2, use_fast_path=False))
+    for text in (run.lower(params).as_text(), vmap_run.lower(params).as_text()):
+        dims = re.findall(r"dim_numbers = (.*?), window", text)
+        assert len(dims) >= 4 and set(dims) == {"[b, 0, 1, f]x[0, 1, i, o]->[b, 0, 1, f]"}, dims
 
 
 @pytest.mark.parametrize("t,d,e", [(1, 5, 3), (3, 2, 2), (4, 40, 30)])  # rank one, unfold, Gram
