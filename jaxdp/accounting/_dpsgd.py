@@ -166,7 +166,7 @@ def calibrate_noise_multiplier(
     exceeds the target (the margin covers the last-bit differences of a recomputation in
     another program). The search stops as soon as a rejected probe lies within 2e-10 in
     log σ below the accepted one (the threshold is then certified to within 2e-10
-    relative; 3–13 steps, mean 6.6, on random configurations), or after
+    relative; 2–13 steps, mean 6.6, on random configurations), or after
     ``solver_iterations`` steps.
 
     If even ``noise_multiplier_bounds[1]`` misses the target, σ = +inf (not achievable in range).
