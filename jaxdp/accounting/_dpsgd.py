@@ -8,12 +8,13 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .. import _validate
 from .._numerics import f64, float64
 from ._conversion import _IMPROVED_MIN_ORDER, rdp_to_epsilon
 from ._rdp import DEFAULT_ORDERS, heterogeneous_rdp
-from ._solve import implicit_root, search_decreasing
+from ._solve import implicit_root, search_certified
 
 __all__ = ["dpsgd_epsilon", "schedule_epsilon", "calibrate_noise_multiplier", "CalibrationResult"]
 
@@ -154,21 +155,19 @@ def calibrate_noise_multiplier(
 
     ε(σ) is non-increasing in σ (each RDP order is), and ε(σ) ≤ target iff some order α
     has :math:`T r_α(σ) ≤ B_α` (what the conversion leaves of the target at that order), so
-    σ* = min over α of the per-order roots. A bracketed search on log σ over
-    ``noise_multiplier_bounds`` (it runs under ``jit`` and ``vmap``) probes, at each
-    step, the smallest per-order false-position root (Illinois weights; all orders from
-    one vectorised RDP evaluation), falling back to the midpoint. Every probe is checked
-    with the real accountant (:func:`rdp_to_epsilon`, same method), with a relative 1e-12
-    margin on the target, and the returned σ is the smallest accepted probe: ε never
-    exceeds the target. The search stops as soon as a rejected probe lies within 2e-10 in
+    σ* = min over α of the per-order roots. A certified search on log σ over
+    ``noise_multiplier_bounds`` (it runs under ``jit`` and ``vmap``) evaluates the
+    accountant once per step (all orders, one vectorised RDP evaluation) and probes the
+    smallest per-order threshold of a two-term model of :math:`A_α - 1` (the k = 2 term of
+    the binomial sum, exact, plus one exponential fitted to the rest), with bracketing
+    safeguards. Every probe is checked with the real accountant (:func:`rdp_to_epsilon`,
+    same method, in the result's shape), with a relative 1e-12 margin on the target, and
+    the returned σ is the smallest accepted probe, its ε the value computed there: ε never
+    exceeds the target (the margin covers the last-bit differences of a recomputation in
+    another program). The search stops as soon as a rejected probe lies within 2e-10 in
     log σ below the accepted one (the threshold is then certified to within 2e-10
-    relative; about 11 steps on random configurations), or after ``solver_iterations``
-    steps (at most 28 were needed on the same configurations).
-
-    The returned σ is then checked once more: its ε recomputed by :func:`dpsgd_epsilon`
-    in the result's shape must be at most the target itself (not only the margin), else σ
-    steps up by a relative 1e-12, ..., 1e-7 (each step checked), then to the upper bound;
-    the returned ε is that recomputed value.
+    relative; 2–13 steps, mean 6.6, on random configurations), or after
+    ``solver_iterations`` steps.
 
     If even ``noise_multiplier_bounds[1]`` misses the target, σ = +inf (not achievable in range).
     If ``noise_multiplier_bounds[0]`` already meets it, that lower bound is returned with
@@ -188,8 +187,9 @@ def calibrate_noise_multiplier(
       delta: δ in (0, 1).
       orders, method: as in :func:`dpsgd_epsilon`.
       noise_multiplier_bounds: search bracket (static), 0 < low < high.
-      solver_iterations: cap on the search steps after the two end evaluations (static);
-        the search usually stops earlier, once σ is certified to 2e-10 relative.
+      solver_iterations: cap on the search's evaluations (static); the search usually
+        stops much earlier, once σ is certified to 2e-10 relative. Where the cap stops it
+        first, σ is the smallest accepted probe (+inf if none was accepted).
       accountant: ``"rdp"`` (default, this function's search) or ``"pld"``: calibrate
         with the privacy loss distribution's certified upper bound instead
         (:func:`calibrate_pld_noise_multiplier` at its default grid; ``orders``, ``method``,
@@ -228,7 +228,7 @@ def calibrate_noise_multiplier(
                            hi_s=float(hi_s), iterations=int(solver_iterations))
 
 
-# Jitted once per static configuration: called eagerly, a fori_loop over a fresh closure
+# Jitted once per static configuration: called eagerly, a while_loop over a fresh closure
 # would be traced and compiled again at every call.
 @functools.partial(jax.jit, static_argnames=("orders", "method", "lo_s", "hi_s", "iterations"))
 def _calibrate_core(target, q, steps, delta, orders, method, lo_s, hi_s, iterations):
@@ -237,110 +237,195 @@ def _calibrate_core(target, q, steps, delta, orders, method, lo_s, hi_s, iterati
     target_s = jnp.where(valid, target, 1.0)
     q_s, steps_s, delta_s = (jnp.where(valid, x, 0.5) for x in (q, steps, delta))
     res = _search(target_s, q_s, steps_s, delta_s, orders, method, lo_s, hi_s, iterations)
-    sigma, eps = _verify(res.x, target_s, q_s, steps_s, delta_s, orders, method, hi_s)
-    found = jnp.isfinite(sigma)
-    at_low = res.at_low & (sigma == lo_s)
-    # σ* moves by the implicit function theorem where the target binds (see implicit_root).
+    sigma = jnp.exp(res.x)  # the σ the search evaluated (same exp of the same x)
+    found = res.found
+    at_low = res.at_low
+    # σ* moves by the implicit function theorem where the target binds (see implicit_root);
+    # the rule (a linearisation of dpsgd_epsilon at σ*) is traced only under differentiation.
     sigma, eps = implicit_root(
         functools.partial(_eps_of_sigma, orders=orders, method=method),
         sigma,
-        eps,
+        res.value,
         target,
         (q, steps, delta),
         found & ~at_low,
         at_low,
+        closed=True,
     )
     eps = jnp.where(found, eps, jnp.inf)
     return CalibrationResult(jnp.where(valid, sigma, jnp.nan), jnp.where(valid, eps, jnp.nan), valid & at_low)
-
-
-# Checks of the returned σ: the σ itself, then relative steps up of 1e-12, 1e-11, ..., 1e-7,
-# then the upper end of the bracket.
-_VERIFY_STEPS = 7
-
-
-def _verify(sigma, target, q, steps, delta, orders, method, hi_s):
-    r"""σ (values only) whose ε, recomputed by :func:`dpsgd_epsilon`, is at most the target.
-
-    The search accepts a point with a relative 1e-12 margin under the target, in the batch
-    shape of its probes; ε recomputed at the returned σ in another program can differ in
-    the last bits. So the returned σ is checked once more with :func:`dpsgd_epsilon` itself
-    in the result's shape against the target (no margin), and where that fails (not seen
-    in practice) σ steps up by a relative 1e-12, 1e-11, ..., 1e-7, then to the upper end of
-    the bracket, each step checked; +inf if nothing passes. One ``while_loop`` (one traced
-    copy of the accountant): its first pass is the check, later passes run only while
-    some element fails. Returns ``(σ, ε at σ)``.
-    """
-    sigma = jax.lax.stop_gradient(sigma)
-    todo = jnp.isfinite(sigma)
-    start = jnp.where(todo, sigma, hi_s)
-
-    def cond(state):
-        k, _, _, ok = state
-        return (k <= _VERIFY_STEPS) & jnp.any(~ok)
-
-    def body(state):
-        k, s, e, ok = state
-        trial = jnp.where(k == 0, start, jnp.where(k < _VERIFY_STEPS, start * (1.0 + 10.0 ** (k - 13.0)), hi_s))
-        e_new = dpsgd_epsilon(q, trial, steps, delta, orders=orders, method=method)
-        passed = ~ok & (e_new <= target)
-        return k + 1, jnp.where(passed, trial, s), jnp.where(passed, e_new, e), ok | passed
-
-    init = (jnp.asarray(0), jnp.full(sigma.shape, jnp.inf), jnp.full(sigma.shape, jnp.inf), ~todo)
-    _, s, e, _ = jax.lax.while_loop(cond, body, init)
-    return s, e
 
 
 def _eps_of_sigma(sigma, q, steps, delta, *, orders, method):
     return dpsgd_epsilon(q, sigma, steps, delta, orders=orders, method=method)
 
 
+def _log_expm1(z):
+    """log(e^z - 1) for z ≥ 0 (-inf at 0, NaN below): no overflow for large z."""
+    big = z > 1.0
+    return jnp.where(big, z + jnp.log1p(-jnp.exp(-jnp.where(big, z, 1.0))), jnp.log(jnp.expm1(jnp.where(big, 1.0, z))))
+
+
+def _log_softplus(z):
+    """log(log(1 + e^z)), accurate for very negative z."""
+    return jnp.where(z < -30.0, z, jnp.log(jnp.logaddexp(0.0, jnp.maximum(z, -30.0))))
+
+
+# Newton steps of the per-order model fits and roots (cheap elementwise work next to one
+# RDP evaluation; the model only steers the search, acceptance is the accountant).
+_MODEL_NEWTON = 8
+_MODEL_ORDERS = 8
+# Two points closer than this in log σ fit the model's rate; farther ones are stale.
+_LOCAL = 0.2
+
+
+def _fit_rate(u_h, u_l, d_lam):
+    r"""κ with :math:`\log\frac{e^{κu_h}-1}{e^{κu_l}-1} = Δλ` (needs Δλ > log(u_h/u_l)).
+
+    h(κ) is convex and increasing with :math:`h(κ) ≥ κ(u_h - u_l)`, so Newton from
+    :math:`κ_0 = Δλ/(u_h - u_l)` decreases monotonically to the root.
+    """
+    du = u_h - u_l
+
+    def step(_, kappa):
+        h = kappa * du + jnp.log(-jnp.expm1(-kappa * u_h)) - jnp.log(-jnp.expm1(-kappa * u_l)) - d_lam
+        dh = du + u_h / jnp.expm1(kappa * u_h) - u_l / jnp.expm1(kappa * u_l)
+        dh = jnp.clip(jnp.where(jnp.isfinite(dh), dh, du), 0.5 * du, du)
+        return jnp.maximum(kappa - h / dh, 1e-3 * kappa)
+
+    # A rolled loop: a smaller program than unrolled steps (compile time).
+    return jax.lax.fori_loop(0, _MODEL_NEWTON, step, d_lam / du)
+
+
+def _two_term_root(log_limit, log_c2, log_beta, kappa):
+    """u with c_2 (e^{2u} - 1) + β (e^{κu} - 1) = L, all in logs (-inf drops a term).
+
+    Convex and increasing in u: Newton from the smaller one-term root (an upper bound)
+    decreases monotonically to it.
+    """
+    u2 = jnp.exp(_log_softplus(log_limit - log_c2)) / 2.0
+    uk = jnp.exp(_log_softplus(log_limit - log_beta)) / kappa
+
+    def step(_, u):
+        t2 = jnp.exp(log_c2 + _log_expm1(2.0 * u) - log_limit)
+        tk = jnp.exp(log_beta + _log_expm1(kappa * u) - log_limit)
+        g = t2 + tk - 1.0
+        dg = jnp.exp(log_c2 + math.log(2.0) + 2.0 * u - log_limit) + jnp.exp(log_beta + jnp.log(kappa) + kappa * u - log_limit)
+        return jnp.where(g > 0, u - g / dg, u)
+
+    return jax.lax.fori_loop(0, _MODEL_NEWTON, step, jnp.minimum(u2, uk))
+
+
+def _model_roots(x_prev, lam_prev, x_cur, lam_cur, two_points, log_limit, log_c2, rate):
+    r"""Per-order predicted thresholds in x = log σ from a two-term model of :math:`A_α - 1`.
+
+    With :math:`u = 1/(2σ^2)`, integer orders have :math:`A_α - 1 = \sum_{k=2}^{α} c_k
+    (e^{k(k-1)u} - 1)`, :math:`c_k = \binom αk q^k (1-q)^{α-k}`; the exponents are convex
+    in k, so the sum is dominated by k = 2 (large σ) or by k near α (below the order's
+    "cliff"). The model keeps the k = 2 term exactly and fits the rest as one term
+    :math:`β(e^{κu} - 1)`: κ from the last two points when they are close (the local
+    rate), else κ = α(α-1); β from the current point. Where the rest is not positive
+    (fractional orders, where signs alternate) one term :math:`β(e^{κu} - 1)` is fitted to
+    the whole of :math:`A_α - 1`. The threshold solves model = :math:`L_α` by Newton from
+    the right (the model is convex and increasing in u). Orders with a non-finite value
+    give +inf (no candidate).
+    """
+    u_c = (0.5 * jnp.exp(-2.0 * x_cur))[..., None]
+    u_p = (0.5 * jnp.exp(-2.0 * x_prev))[..., None]
+    local = two_points[..., None] & (jnp.abs(x_cur - x_prev)[..., None] < _LOCAL) & (u_c != u_p)
+    hi_is_c = u_c > u_p
+    u_h, u_l = jnp.where(hi_is_c, u_c, u_p), jnp.where(hi_is_c, u_p, u_c)
+    r = 2.0 * jnp.abs(x_cur - x_prev)[..., None]  # log(u_h/u_l)
+
+    def rest(lam, u):  # log of A - 1 minus the k = 2 term, NaN where not positive
+        frac = jnp.exp(log_c2 + _log_expm1(2.0 * u) - lam)
+        return lam + jnp.log1p(-jnp.where(frac < 1.0, frac, 1.0))
+
+    rho_c, rho_p = rest(lam_cur, u_c), rest(lam_prev, u_p)
+    two_term = jnp.isfinite(rho_c) & (rho_c > lam_cur - 20.0)
+    # Fit one exponential either to the rest (two-term model) or to the whole A - 1.
+    y_c = jnp.where(two_term, rho_c, lam_cur)
+    y_p = jnp.where(two_term, rho_p, lam_prev)
+    y_h, y_l = jnp.where(hi_is_c, y_c, y_p), jnp.where(hi_is_c, y_p, y_c)
+    d_y = y_h - y_l
+    fit = local & jnp.isfinite(d_y) & (d_y > r)
+    kappa = jnp.where(fit, _fit_rate(jnp.where(fit, u_h, 2.0), jnp.where(fit, u_l, 1.0), jnp.where(fit, d_y, 1.0)), rate)
+    log_beta = y_c - _log_expm1(kappa * u_c)
+    c2 = jnp.where(two_term, log_c2, -jnp.inf)
+    u = _two_term_root(log_limit, c2, log_beta, kappa)
+    x_root = -0.5 * jnp.log(2.0 * u)
+    usable = jnp.isfinite(lam_cur) & (log_limit > -jnp.inf)
+    x_root = jnp.where(usable, x_root, jnp.inf)
+    x_root = jnp.where(log_limit == jnp.inf, -jnp.inf, x_root)
+    return jnp.where(jnp.isnan(x_root), jnp.inf, x_root)
+
+
 def _search(target, q, steps, delta, orders, method, lo_s, hi_s, iterations):
-    r"""The safeguarded secant search on x = log σ (values only): a :class:`SearchResult`.
+    r"""The certified model search on x = log σ (values only): a :class:`CertifiedResult`.
 
     ε(σ) ≤ t iff some order α has :math:`T r_α(σ) ≤ B_α`, where :math:`B_α` is what the
     conversion leaves of the target at that order (:func:`rdp_to_epsilon`'s
-    order-dependent term, or the total-variation rule's bound :math:`-\log(1-δ^2)`). Each
-    :math:`g_α(x) = \log(T r_α(e^x)) - \log B_α` is smooth and decreasing, nearly linear
-    (r_α ∝ σ^{-2} for large σ), so the root σ* = min_α of the per-order roots is
-    extrapolated from the last two points for all orders at once (one vectorised RDP
-    evaluation per step) and the smallest extrapolation is probed next, a relative 2e-12
-    above, so that once converged the probe lands on the accepted side. Acceptance is the
-    real accountant (:func:`rdp_to_epsilon` of the same method) at the probed σ. Once an
-    accepted probe moves σ by less than the tolerance, the next probe is 1e-10 below it in
-    log σ: rejected, it certifies the threshold and the search stops (``_SEARCH_TOL``).
+    order-dependent term, or the total-variation rule's bound :math:`-\log(1-δ^2)`),
+    i.e. :math:`λ_α = \log(A_α - 1) ≤ \log L_α = \log(e^{(α-1)B_α/T} - 1)` with
+    :math:`r_α = \log(A_α)/(α-1)`. Each step evaluates the accountant once at one σ (all
+    orders, one vectorised RDP), fits every order's model (:func:`_model_roots`) to the last
+    two points, and probes the smallest predicted threshold; the first probe is the k = 2
+    term's threshold :math:`u = \tfrac12\log(1 + L_α/(\binom α2 q^2))`, maximised over α.
+    Acceptance is the real accountant (:func:`rdp_to_epsilon` of the same method) with a
+    relative 1e-12 margin under the target; the search stops once a rejected probe lies
+    within ``_SEARCH_TOL`` below an accepted one (:func:`search_certified`).
     """
-    orders_np = jnp.asarray(orders, dtype=jnp.float64)
+    orders_np = np.asarray(orders, dtype=np.float64)
+    am1 = orders_np - 1.0
     d = delta[..., None]
-    # Accept with a relative 1e-12 margin: ε recomputed in another batch shape may differ in the last bits.
+    steps_eff = jnp.maximum(jnp.ceil(steps), 1.0)[..., None]
+    # Accept with a relative 1e-12 margin: ε recomputed in another program may differ in the last bits.
     safe_target = target * (1.0 - _SAFETY_REL)
     if method == "classic":
-        conv = -jnp.log(d) / (orders_np - 1.0)
+        conv = -jnp.log(d) / am1
         budget = safe_target[..., None] - conv
     else:
-        conv = jnp.log1p(-1.0 / orders_np) - jnp.log(d * orders_np) / (orders_np - 1.0)
+        conv = jnp.log1p(-1.0 / orders_np) - jnp.log(d * orders_np) / am1
         conv = jnp.where(orders_np > _IMPROVED_MIN_ORDER, conv, jnp.inf)
         # Total-variation rule: ε = 0 at an order where r < -log(1 - δ²).
         budget = jnp.maximum(safe_target[..., None] - conv, -jnp.log1p(-(d**2)))
-    log_budget = jnp.log(jnp.where(budget > 0, budget, 1.0))
-    log_budget = jnp.where(budget > 0, log_budget, -jnp.inf)
+    pos = budget > 0
+    log_limit = jnp.where(pos, _log_expm1(am1 * jnp.where(pos, budget, 1.0) / steps_eff), -jnp.inf)
 
-    def accept(x):
+    def evaluate(x):
         sigma = jnp.exp(x)
         rdp = heterogeneous_rdp(orders, q[..., None], sigma[..., None], steps[..., None])
         eps = rdp_to_epsilon(rdp, orders, delta, method=method).epsilon
-        return eps <= safe_target, (eps, jnp.log(rdp) - log_budget)
+        lam = _log_expm1(am1 * (rdp / steps_eff))
+        return eps <= safe_target, eps, lam
 
-    def propose(a, aux_a, w_a, b, aux_b, w_b):
-        # False position per order on the shared bracket, for the orders accepted at b
-        # (the order that binds at σ* is among them); the smallest candidate is probed.
-        g_a, g_b = aux_a[1] * w_a[..., None], aux_b[1] * w_b[..., None]
-        ok = (g_b <= 0) & (g_a > 0) & jnp.isfinite(g_a) & jnp.isfinite(g_b)
-        step = g_b * (b - a)[..., None] / jnp.where(ok, g_b - g_a, -1.0)
-        c = jnp.min(jnp.where(ok, b[..., None] - step, jnp.inf), axis=-1)
+    # k = 2 coefficient C(α, 2) q² (1-q)^(α-2) and the k = α rate α(α-1) of every order.
+    log_q = jnp.log(jnp.where(q > 0, q, 1.0))[..., None]
+    log_c2 = np.log(0.5 * orders_np * am1) + 2.0 * log_q + (orders_np - 2.0) * jnp.log1p(-jnp.where(q < 1, q, 0.0))[..., None]
+    rate = orders_np * am1
+
+    rate_b = jnp.broadcast_to(rate, log_limit.shape)
+
+    def propose(x_prev, lam_prev, x_cur, lam_cur, two_points):
+        two = jnp.broadcast_to(two_points, x_cur.shape)
+        # Only the _MODEL_ORDERS orders closest to their limits at the current point are
+        # modelled: the binding one is among them near σ*, and far-off orders' fits only
+        # mislead (and the model would otherwise cost as much as the accountant).
+        gap = lam_cur - log_limit
+        gap = jnp.where(jnp.isnan(gap), jnp.inf, gap)
+        _, idx = jax.lax.top_k(-gap, min(_MODEL_ORDERS, len(orders)))
+        pick = [jnp.take_along_axis(a, idx, axis=-1) for a in (lam_prev, lam_cur, log_limit, log_c2, rate_b)]
+        c = jnp.min(_model_roots(x_prev, pick[0], x_cur, pick[1], two, *pick[2:]), axis=-1)
+        # A relative 2e-12 above the predicted threshold: a converged probe is accepted there
+        # (σ within ~2e-12 of the threshold), and the next one, tol/2 below, certifies it.
         return c + _PROBE_BIAS * (1.0 + jnp.abs(c))
 
-    lo = jnp.full(target.shape, math.log(lo_s))
-    hi = jnp.full(target.shape, math.log(hi_s))
-    res = search_decreasing(accept, lo, hi, iterations, propose=propose, tol=_SEARCH_TOL)
-    return res._replace(x=jnp.exp(res.x), aux=jnp.where(res.found, res.aux[0], jnp.inf))
+    # First probe: the k = 2 and k = α terms alone, C(α,2) q² (1-q)^(α-2) (e^{2u} - 1) +
+    # q^α (e^{α(α-1)u} - 1) = L_α (a lower bound on A_α - 1 for integer α), maximised over α.
+    u0 = _two_term_root(log_limit, log_c2, orders_np * log_q, rate)
+    x0 = jnp.min(jnp.where(jnp.isnan(u0), jnp.inf, -0.5 * jnp.log(2.0 * u0)), axis=-1)
+    x0 = jnp.where(q > 0, x0, -jnp.inf)
+    start = jnp.where(jnp.isnan(x0), 0.0, jnp.clip(x0, math.log(lo_s), math.log(hi_s)))
+    info_init = jnp.zeros(target.shape + (len(orders),))
+    return search_certified(evaluate, propose, start, info_init, math.log(lo_s), math.log(hi_s), _SEARCH_TOL,
+                            iterations)

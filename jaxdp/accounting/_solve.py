@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["SearchResult", "search_decreasing", "implicit_root", "solve_decreasing"]
+__all__ = ["SearchResult", "search_decreasing", "CertifiedResult", "search_certified", "implicit_root", "solve_decreasing"]
 
 
 class SearchResult(NamedTuple):
@@ -177,7 +177,149 @@ def _search_until(body, state, finished, iterations, tol, propose):
     return st[3], st[4]
 
 
-def implicit_root(fn: Callable, x, value, target, params, binds, fixed):
+# A candidate this close outside the bracket (in x) is taken as the end itself.
+_NEAR = 1e-3
+# One-sided model steps (from the third point on) longer than this fraction of the last
+# one count as creeping.
+_CREEP = 0.5
+_CREEP_FROM = 3
+# Bracketed steps longer than this fraction of the step before last bisect instead.
+_BRENT = 1.0
+
+
+class CertifiedResult(NamedTuple):
+    """Outcome of :func:`search_certified` (values only, no derivative).
+
+    Attributes:
+      x: the smallest accepted point evaluated; +inf when none was (``hi`` rejected, or the
+        step cap reached before any point was accepted).
+      value: the ``value`` that ``evaluate`` returned at x (+inf where x is +inf).
+      found: an accepted point was evaluated.
+      at_low: ``lo`` itself was evaluated and accepted (the threshold is at or below it).
+      certified: a rejected point lies within ``tol`` below x (or x = lo, or ``hi`` was
+        rejected): the threshold is pinned down; false only where the cap stopped the search.
+      steps: evaluations made per element (the loop ran ``max(steps)`` times).
+    """
+
+    x: jax.Array
+    value: jax.Array
+    found: jax.Array
+    at_low: jax.Array
+    certified: jax.Array
+    steps: jax.Array
+
+
+def search_certified(
+    evaluate: Callable,
+    propose: Callable,
+    start: jax.Array,
+    info_init: Any,
+    lo: float,
+    hi: float,
+    tol: float,
+    iterations: int,
+) -> CertifiedResult:
+    r"""Smallest accepted x in [lo, hi], certified to ``tol``, one evaluation per step.
+
+    ``evaluate(x)`` returns ``(ok, value, info)``: ``ok`` boolean of ``x``'s shape and
+    monotone in x (false below the threshold, true above), ``value`` an array of x's shape
+    (returned at the result), ``info`` any pytree with x's leading shape that
+    ``propose(x_prev, info_prev, x_cur, info_cur, have_prev)`` turns into the next
+    candidate (a model's predicted threshold from the last two points; ``have_prev`` is
+    false after the first evaluation). The first point is ``start``.
+
+    Safeguards: a candidate outside the current bracket (or not finite) is replaced by the
+    bracket's midpoint, or, while only one side is known, by a unit step away from it;
+    candidates are clipped to [lo, hi] and kept ``tol/2`` inside a bracket wider than
+    ``tol``, so that once the model has converged the next point certifies the threshold.
+    The search stops per element when a rejected point lies within ``tol`` below an
+    accepted one, when ``lo`` is accepted, or when ``hi`` is rejected; ``iterations`` caps
+    the steps. The ends are evaluated only when the search reaches them.
+
+    One ``while_loop`` whose body calls ``evaluate`` once (one traced copy of it in the
+    program); under ``vmap`` every lane runs until the slowest is done (finished lanes keep
+    their state). The returned x is a point where ``evaluate`` accepted, evaluated in the
+    caller's shape (never a shifted or stacked copy), so ``value`` is the value at x.
+
+    Args:
+      evaluate: ``x -> (ok, value, info)``, elementwise over x.
+      propose: ``(x_prev, info_prev, x_cur, info_cur, have_prev) -> candidate``.
+      start: first point, x's shape.
+      info_init: a pytree shaped like ``info`` (its values are not used).
+      lo, hi: bracket ends (static floats), lo < hi.
+      tol: certified bracket width (static).
+      iterations: cap on the evaluations (static).
+
+    Returns:
+      :class:`CertifiedResult`.
+    """
+    start = jax.lax.stop_gradient(jnp.asarray(start))
+    shape = start.shape
+    ninf, pinf = jnp.full(shape, -jnp.inf), jnp.full(shape, jnp.inf)
+    zeros_info = jax.tree_util.tree_map(jnp.zeros_like, info_init)
+    half = 0.5 * tol
+
+    def done_of(xa, xb, at_low, no_hi):
+        return ((xb - xa) <= tol) | at_low | no_hi
+
+    def cond(c):
+        k, xa, xb, _, _, _, _, _, at_low, no_hi, _, _, _ = c
+        return (k < iterations) & jnp.any(~done_of(xa, xb, at_low, no_hi))
+
+    def body(c):
+        k, xa, xb, vb, xp, ip, xc, ic, at_low, no_hi, step1, step2, steps = c
+        done = done_of(xa, xb, at_low, no_hi)
+        cand = jnp.where(k == 0, start, propose(xp, ip, xc, ic, k >= 2))
+        has_a, has_b = jnp.isfinite(xa), jnp.isfinite(xb)
+        fin = jnp.isfinite(cand)
+        # A candidate just outside the bracket says the threshold is at that end: probe
+        # tol/2 inside it (the clip below), which certifies it if the model is right.
+        cand = jnp.where(fin & has_a & (cand <= xa) & (xa - cand < _NEAR), xa, cand)
+        cand = jnp.where(fin & has_b & (cand >= xb) & (cand - xb < _NEAR), xb, cand)
+        good = fin & (cand >= xa) & (cand <= xb)
+        # One side known and the model creeping towards the other (a step not much shorter
+        # than the last): at least double the last step, to bracket the threshold quickly.
+        last = xc - xp
+        creep = (k >= _CREEP_FROM) & (has_a ^ has_b) & (jnp.abs(cand - xc) > _CREEP * jnp.abs(last))
+        grow = xc + 2.0 * last
+        cand = jnp.where(creep & has_a & (last > 0), jnp.maximum(cand, grow), cand)
+        cand = jnp.where(creep & has_b & (last < 0), jnp.minimum(cand, grow), cand)
+        mid = 0.5 * (jnp.where(has_a, xa, 0.0) + jnp.where(has_b, xb, 0.0))
+        fallback = jnp.where(has_a & has_b, mid, jnp.where(has_a, xa + 1.0, jnp.where(has_b, xb - 1.0, 0.0)))
+        # Bracketed and the step not under half the step before last: bisect (as Brent's
+        # method; a model converging from one side has fast-shrinking steps).
+        slow = has_a & has_b & (jnp.abs(cand - xc) > _BRENT * step2)
+        x = jnp.where(good & ~slow, cand, fallback)
+        # Keep tol/2 inside the bracket: a converged model then certifies on the next step.
+        x = jnp.where(has_a, jnp.maximum(x, xa + half), x)
+        x = jnp.where(has_b, jnp.minimum(x, xb - half), x)
+        x = jnp.clip(x, lo, hi)
+        ok, v, info = evaluate(x)
+        live = ~done
+        acc = live & ok
+        rej = live & ~ok
+        xb_n = jnp.where(acc, x, xb)
+        vb_n = jnp.where(acc, v, vb)
+        xa_n = jnp.where(rej, jnp.maximum(x, xa), xa)
+        at_low_n = at_low | (acc & (x <= lo))
+        no_hi_n = no_hi | (rej & (x >= hi))
+        xp_n = jnp.where(live, xc, xp)
+        ip_n = _select(live, ic, ip)
+        xc_n = jnp.where(live, x, xc)
+        ic_n = _select(live, info, ic)
+        step2_n = jnp.where(live, step1, step2)
+        step1_n = jnp.where(live, jnp.abs(x - xc), step1)
+        return (k + 1, xa_n, xb_n, vb_n, xp_n, ip_n, xc_n, ic_n, at_low_n, no_hi_n, step1_n, step2_n, steps + live)
+
+    false = jnp.zeros(shape, bool)
+    init = (jnp.asarray(0), ninf, pinf, jnp.full(shape, jnp.inf, start.dtype), start, zeros_info, start, zeros_info,
+            false, false, pinf, pinf, jnp.zeros(shape, jnp.int32))
+    _, xa, xb, vb, _, _, _, _, at_low, no_hi, _, _, steps = jax.lax.while_loop(cond, body, init)
+    found = jnp.isfinite(xb)
+    return CertifiedResult(xb, vb, found, at_low, done_of(xa, xb, at_low, no_hi), steps)
+
+
+def implicit_root(fn: Callable, x, value, target, params, binds, fixed, *, closed: bool = False):
     r"""x (and ``value``) unchanged, with derivatives from the implicit function theorem.
 
     Where ``binds``, x is the root of :math:`f(x, p) = t` (``fn(x, *params)``, decreasing in
@@ -197,11 +339,16 @@ def implicit_root(fn: Callable, x, value, target, params, binds, fixed):
       target: t, broadcastable with x.
       params: tuple of arrays.
       binds, fixed: boolean masks of x's shape.
+      closed: ``fn`` closes over no traced values (only static ones): skip
+        ``jax.closure_convert``, which traces ``fn`` once more on every call (a second
+        trace of a large accountant costs compile-time seconds).
 
     Returns:
       ``(x, value)``.
     """
     params = tuple(params)
+    if closed:
+        return _implicit(fn, x, value, target, params, binds, fixed)
     # Values ``fn`` closes over (tracers of an enclosing jit or derivative) become explicit
     # arguments, so that the custom_jvp rule sees them as inputs rather than constants.
     conv, consts = jax.closure_convert(lambda x_, *p_: fn(x_, *p_), x, *params)

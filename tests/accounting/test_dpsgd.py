@@ -277,30 +277,6 @@ def test_calibration_issue12_vector_never_above_target(size):
     assert float(single.noise_multiplier) == pytest.approx(sigma[0], rel=1e-9)
 
 
-def test_verification_steps_up_until_the_target_is_met():
-    """A σ just below the threshold (as a search rounding the wrong way would return) is
-    stepped up the ladder 1e-12, ..., 1e-7 relative; each trial is checked with dpsgd_epsilon."""
-    from jaxdp.accounting._dpsgd import _verify
-
-    t, q, s, d = ISSUE12
-    sigma = float(calibrate_noise_multiplier(t, q, s, d).noise_multiplier)
-    low = sigma * (1 - 1e-9)
-    assert float(dpsgd_epsilon(q, low, s, d)) > t  # the threshold lies between low and σ
-    orders = tuple(float(a) for a in DEFAULT_ORDERS)
-    args = [np.array([x]) for x in (t, q, s, d)]
-    got, eps = _verify(jnp.array([low, sigma, np.inf]), *[np.repeat(a, 3) for a in args], orders, "improved", 1e4)
-    got, eps = np.asarray(got), np.asarray(eps)
-    ladder = [low * (1 + 10.0 ** (k - 13)) for k in range(1, 7)]
-    first_ok = next(x for x in ladder if float(dpsgd_epsilon(q, x, s, d)) <= t)
-    assert got[0] == first_ok and eps[0] <= t
-    assert got[1] == sigma  # already meets the target: unchanged
-    assert math.isinf(got[2]) and math.isinf(eps[2])  # not found stays not found
-    # Nothing on the ladder passes: the bracket's upper end.
-    far = sigma * 0.5
-    got, _ = _verify(jnp.array([far]), *args, orders, "improved", 1e4)
-    assert float(got[0]) == 1e4
-
-
 _cal_jit = jax.jit(lambda e, q, t, d: calibrate_noise_multiplier(e, q, t, d).noise_multiplier)
 
 

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdp.accounting._solve import search_decreasing, solve_decreasing
+from jaxdp.accounting._solve import search_certified, search_decreasing, solve_decreasing
 
 # 64 halvings of a bracket of width 10: 10·2^-64 ≈ 5e-19 plus float64 rounding of the root.
 ROOT_TOL = 1e-12
@@ -74,3 +74,27 @@ def test_search_with_tol_stops_certified_per_element():
         x = np.asarray(res.x)
         assert x[3] == 0.0 and bool(res.at_low[3]) and math.isinf(x[4])
         assert np.all(x[:3] >= root[:3]) and np.all(x[:3] - root[:3] <= tol)
+
+
+def test_search_certified_per_element_ends_and_safe_side():
+    """search_certified (one evaluation per step, the DP-SGD calibration's loop): every
+    result is an accepted point within tol of the closed-form root; a target met at lo is
+    flagged, one beyond hi is +inf; a poor first point and a biased model still converge."""
+    t = jnp.array([0.2, 0.5, 1e-3, 2.0, 1e-9])  # roots log(1/t); 2.0: at lo = 0; 1e-9: beyond hi = 10
+    root = np.log(1.0 / np.asarray(t))
+
+    def evaluate(x):
+        v = jnp.log(_f(x, 1.0)) - jnp.log(t)
+        return v <= 0, _f(x, 1.0), v
+
+    def propose(xp, vp, xc, vc, two):
+        # A model that under-shoots by 10% (as a conservative fit would): the safeguards finish.
+        return xc + 0.9 * vc
+
+    tol = 1e-9
+    res = search_certified(evaluate, propose, jnp.full(5, 5.0), jnp.zeros(5), 0.0, 10.0, tol, 60)
+    x = np.asarray(res.x)
+    assert np.all(np.asarray(res.certified))
+    assert x[3] == 0.0 and bool(res.at_low[3]) and math.isinf(x[4]) and not bool(res.found[4])
+    assert np.all(x[:3] >= root[:3]) and np.all(x[:3] - root[:3] <= tol)
+    np.testing.assert_allclose(np.asarray(res.value)[:4], np.exp(-x[:4]), rtol=1e-15)
