@@ -44,6 +44,11 @@ CASES = {
                                 "A.SelfComposed(A.Gaussian(5.0), 10))), 1e-5)"),
     "gaussian_mechanism_epsilon": "A.gaussian_mechanism_epsilon(1e-5, 2.0)",
     "calibrate_gaussian_noise_multiplier": "A.calibrate_gaussian_noise_multiplier(1.0, 1e-5)",
+    "pld_epsilon(dpsgd_event)": "A.pld_epsilon(A.dpsgd_event(256 / 60000, 1.1, 14040), 1e-5)",
+    "calibrate_pld_noise_multiplier": ("A.calibrate_pld_noise_multiplier(1.0, 256 / 60000, 14040, 1e-5)"
+                                       ".noise_multiplier"),
+    "dpsbcd_epsilon": ("A.dpsbcd_epsilon(1e-5, [0.5, 0.5, 0.5], learning_rate=0.1, sensitivity=1.0, contraction=0.5, "
+                       "prox_lipschitz=1.0, num_records=100, batch_size=10)"),
 }
 
 _CHILD = r"""
