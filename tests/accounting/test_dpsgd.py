@@ -167,9 +167,10 @@ def test_monotonicity(q, s, t, d, f):
     base = float(_eps(q, s, t, d))
     assert float(_eps(q, s, t * f, d)) >= base * (1 - 1e-12)  # more steps: no less ε
     # Larger q: no less ε. At q = 1 the RDP is the Gaussian's closed form, exact; just below 1
-    # the series carries its certified rounding margin (about 1e-12 relative; hypothesis found
-    # q = 1 - 1e-16 above q = 1 by 1.03e-12 at σ = 2, T = 27, δ = 0.5): 1e-11 allows it.
-    assert float(_eps(min(1.0, q * f), s, t, d)) >= base * (1 - 1e-11)
+    # the series carries its certified upward rounding margin (up to ~4e-9 relative where it
+    # dominates, q -> 1; hypothesis found q = 1 - 1e-16 above q = 1 by 1.0e-12 and 1.2e-11):
+    # the slack is on the safe side, so the check allows 1e-8.
+    assert float(_eps(min(1.0, q * f), s, t, d)) >= base * (1 - 1e-8)
     assert float(_eps(q, s * f, t, d)) <= base * (1 + 1e-12)  # more noise
     assert float(_eps(q, s, t, min(0.9, d * f))) <= base * (1 + 1e-12)  # larger δ
 
