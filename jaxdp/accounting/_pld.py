@@ -766,7 +766,7 @@ def calibrate_pld_noise_multiplier(target_epsilon, q, num_steps, delta, *, grid_
 @functools.partial(jax.jit, static_argnums=(4, 5, 6))
 def _calibrate_core(target, q, steps, delta, grid_size, tail_bound, iterations):
     from ._dpsgd import CalibrationResult, calibrate_noise_multiplier
-    from ._solve import implicit_root
+    from ._solve import implicit_root, search_decreasing
 
     rdp = calibrate_noise_multiplier(target, q, steps, delta)
     s_rdp = jax.lax.stop_gradient(rdp.noise_multiplier)
@@ -778,30 +778,14 @@ def _calibrate_core(target, q, steps, delta, grid_size, tail_bound, iterations):
     p_sg = jax.lax.stop_gradient(params)
     t_sg = jax.lax.stop_gradient(target)
 
-    # Bisection with ONE evaluation site (the PLD program is large: a copy for the two
-    # ends, one for the steps and one for the final value would each be compiled). Step 0
-    # evaluates hi, step 1 lo, the rest the midpoint of the bracket [a, b]; b is the
-    # accepted end and eps_b its PLD ε, so no evaluation follows the loop.
-    def body(k, state):
-        a, b, eps_b, ok_hi, ok_lo = state
-        x = jnp.where(k == 0, hi, jnp.where(k == 1, lo, 0.5 * (a + b)))
+    def accept(x):  # one evaluation site: the PLD program is large (see ends_in_loop)
         e = fn(x, *p_sg)
-        acc = e <= t_sg
-        first, second = k == 0, k == 1
-        ok_hi = jnp.where(first, acc, ok_hi)
-        ok_lo = jnp.where(second, acc, ok_lo)
-        take = acc & ~first  # an accepted point below the current accepted end
-        b_new = jnp.where(first, hi, jnp.where(take, x, b))
-        eps_new = jnp.where(first | take, e, eps_b)
-        a_new = jnp.where(second | ((k > 1) & ~acc), x, a)
-        return a_new, b_new, eps_new, ok_hi, ok_lo
+        return e <= t_sg, e
 
-    nan = jnp.full(hi.shape, jnp.nan)
-    no = jnp.zeros(hi.shape, bool)
-    _, b, eps_b, ok_hi, ok_lo = jax.lax.fori_loop(0, iterations + 2, body, (lo, hi, nan, no, no))
-    found = ok_hi
-    x = jnp.where(found, b, jnp.inf)  # b == lo where the target is met at the lower end
-    x, eps_x = implicit_root(fn, x, jnp.where(found, eps_b, 0.0), target, params, found & ~ok_lo, found & ok_lo)
+    res = search_decreasing(accept, lo, hi, iterations, ends_in_loop=True)
+    found = res.found
+    x, eps_x = implicit_root(fn, res.x, jnp.where(found, res.aux, 0.0), target, params, found & ~res.at_low,
+                             res.at_low, closed=True)
     x_s = jnp.where(found, x, hi)
     sigma = jnp.where(found, jnp.exp(x_s), rdp.noise_multiplier)
     eps = jnp.where(found, eps_x, rdp.epsilon)
@@ -809,7 +793,7 @@ def _calibrate_core(target, q, steps, delta, grid_size, tail_bound, iterations):
     eps = jnp.where(ok, eps, rdp.epsilon)
     # The target already met at the lower end of a search (RDP's range, or the PLD bracket
     # below the RDP answer): the σ returned is that end, not the smallest σ that meets it.
-    at_low = rdp.at_lower_bound | (ok & found & ok_lo)
+    at_low = rdp.at_lower_bound | (ok & found & res.at_low)
     return CalibrationResult(sigma, eps, at_low)
 
 

@@ -61,6 +61,7 @@ def search_decreasing(
     propose: Callable | None = None,
     stack_ends: bool = True,
     tol: float | None = None,
+    ends_in_loop: bool = False,
 ) -> SearchResult:
     r"""Smallest x in [lo, hi] with ``accept(x)``, by a fixed-count safeguarded bracket search.
 
@@ -94,6 +95,10 @@ def search_decreasing(
       stack_ends: evaluate both ends in one call of ``accept`` (smaller program).
       tol: optional certified bracket width (static) for an early stop; ``None`` runs
         exactly ``iterations`` steps.
+      ends_in_loop: evaluate the ends as the loop's first two steps (``hi``, then ``lo``),
+        so that ``accept`` is traced once: for an expensive ``accept`` (a large compiled
+        program), instead of a second copy for the ends. Same points, same result; not
+        with ``tol``.
 
     Returns:
       :class:`SearchResult`.
@@ -102,6 +107,10 @@ def search_decreasing(
     hi = jax.lax.stop_gradient(jnp.asarray(hi))
     lo, hi = jnp.broadcast_arrays(lo, hi)
     low_probe_gap = 0.5 * tol if tol is not None else 0.0
+    if ends_in_loop:
+        if tol is not None:
+            raise ValueError("ends_in_loop does not take tol")
+        return _search_ends_in_loop(accept, lo, hi, iterations, propose)
     if stack_ends:
         ok2, aux2 = accept(jnp.stack([lo, hi]))
         ok_lo, ok_hi = ok2[0], ok2[1]
@@ -112,24 +121,11 @@ def search_decreasing(
         ok_hi, aux_hi = accept(hi)
 
     def body(_, state, low_probe=None):
-        a, aux_a, w_a, b, aux_b, w_b, side = state
-        mid = 0.5 * (a + b)
-        if propose is None:
-            x = mid
-        else:
-            cand = propose(a, aux_a, w_a, b, aux_b, w_b)
-            inside = jnp.isfinite(cand) & (cand > a) & (cand < b)
-            x = jnp.where(inside, cand, mid)
+        x = _next_point(state, propose)
         if low_probe is not None:
-            x = jnp.where(low_probe, jnp.maximum(b - low_probe_gap, mid), x)
+            x = jnp.where(low_probe, jnp.maximum(state[3] - low_probe_gap, 0.5 * (state[0] + state[3])), x)
         ok, aux = accept(x)
-        # Illinois: an end kept twice in a row has its weight halved (no one-sided stall).
-        w_a = jnp.where(ok, jnp.where(side > 0, 0.5 * w_a, w_a), 1.0)
-        w_b = jnp.where(ok, 1.0, jnp.where(side < 0, 0.5 * w_b, w_b))
-        side = jnp.where(ok, 1.0, -1.0)
-        aux_a = _select(ok, aux_a, aux)
-        aux_b = _select(ok, aux, aux_b)
-        return jnp.where(ok, a, x), aux_a, w_a, jnp.where(ok, x, b), aux_b, w_b, side
+        return _keep_bracket(state, x, ok, aux)
 
     one = jnp.ones(lo.shape)
     state = (lo, aux_lo, one, hi, aux_hi, one, jnp.zeros(lo.shape))
@@ -141,6 +137,53 @@ def search_decreasing(
     aux = _select(ok_lo, aux_lo, aux_b)
     x = jnp.where(ok_hi, x, jnp.inf)
     return SearchResult(x, aux, ok_hi, ok_lo)
+
+
+def _next_point(state, propose):
+    """The next point of a bracket search: the proposal when strictly inside, else the midpoint."""
+    a, aux_a, w_a, b, aux_b, w_b, _ = state
+    mid = 0.5 * (a + b)
+    if propose is None:
+        return mid
+    cand = propose(a, aux_a, w_a, b, aux_b, w_b)
+    inside = jnp.isfinite(cand) & (cand > a) & (cand < b)
+    return jnp.where(inside, cand, mid)
+
+
+def _keep_bracket(state, x, ok, aux):
+    """The half of the bracket that still holds the threshold after evaluating ``x``."""
+    a, aux_a, w_a, b, aux_b, w_b, side = state
+    # Illinois: an end kept twice in a row has its weight halved (no one-sided stall).
+    w_a = jnp.where(ok, jnp.where(side > 0, 0.5 * w_a, w_a), 1.0)
+    w_b = jnp.where(ok, 1.0, jnp.where(side < 0, 0.5 * w_b, w_b))
+    side = jnp.where(ok, 1.0, -1.0)
+    aux_a = _select(ok, aux_a, aux)
+    aux_b = _select(ok, aux, aux_b)
+    return jnp.where(ok, a, x), aux_a, w_a, jnp.where(ok, x, b), aux_b, w_b, side
+
+
+def _search_ends_in_loop(accept, lo, hi, iterations, propose):
+    """:func:`search_decreasing` with one evaluation site: steps 0 and 1 evaluate hi and lo."""
+    aux_shape = jax.eval_shape(accept, lo)[1]
+    zeros = jax.tree_util.tree_map(lambda t: jnp.zeros(t.shape, t.dtype), aux_shape)
+    one = jnp.ones(lo.shape)
+
+    def body(k, carry):
+        state, ok_lo, ok_hi = carry
+        first, second = k == 0, k == 1
+        x = jnp.where(first, hi, jnp.where(second, lo, _next_point(state, propose)))
+        ok, aux = accept(x)
+        a, aux_a, w_a, b, aux_b, w_b, side = state
+        ends = (a, _select(second, aux, aux_a), w_a, b, _select(first, aux, aux_b), w_b, side)
+        state = tuple(_select(first | second, u, v) for u, v in zip(ends, _keep_bracket(state, x, ok, aux)))
+        return state, jnp.where(second, ok, ok_lo), jnp.where(first, ok, ok_hi)
+
+    false = jnp.zeros(lo.shape, bool)
+    state = (lo, zeros, one, hi, zeros, one, jnp.zeros(lo.shape))
+    (a, aux_a, _, b, aux_b, _, _), ok_lo, ok_hi = jax.lax.fori_loop(0, iterations + 2, body, (state, false, false))
+    # Where lo is accepted every later point is too, so the lower end (and its aux) stays lo's.
+    x = jnp.where(ok_hi, jnp.where(ok_lo, lo, b), jnp.inf)
+    return SearchResult(x, _select(ok_lo, aux_a, aux_b), ok_hi, ok_lo)
 
 
 def _search_until(body, state, finished, iterations, tol, propose):
@@ -286,7 +329,7 @@ def search_certified(
         cand = jnp.where(creep & has_b & (last < 0), jnp.minimum(cand, grow), cand)
         mid = 0.5 * (jnp.where(has_a, xa, 0.0) + jnp.where(has_b, xb, 0.0))
         fallback = jnp.where(has_a & has_b, mid, jnp.where(has_a, xa + 1.0, jnp.where(has_b, xb - 1.0, 0.0)))
-        # Bracketed and the step not under half the step before last: bisect (as Brent's
+        # Bracketed and the step longer than _BRENT times the step before last: bisect (as Brent's
         # method; a model converging from one side has fast-shrinking steps).
         slow = has_a & has_b & (jnp.abs(cand - xc) > _BRENT * step2)
         x = jnp.where(good & ~slow, cand, fallback)
