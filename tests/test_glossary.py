@@ -28,7 +28,7 @@ GLOSSARY = {
     "total_delta", "max_num_steps", "solver_iterations", "noise_multiplier_bounds",
     # per-instance accounting
     "budget", "consumed", "halted", "halt_step", "checkpoint_steps", "runs", "order_rounding", "order_levels",
-    "chunk_size", "assumptions",
+    "chunk_size", "assumptions", "r_grid",
     # DP-SBCD and Lipschitz networks
     "noise_temperature", "prox_lipschitz", "batch_index", "max_spectral_norm", "power_iterations", "penalty",
     "weight_decay",

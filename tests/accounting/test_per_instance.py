@@ -425,3 +425,30 @@ def test_composition_gradient_in_r():
         e[t] = h
         fd = (float(f(r + e)) - float(f(r - e))) / (2 * h)
         assert g[t] == pytest.approx(fd, rel=1e-5)
+
+
+def test_r_grid_rounds_r_up_to_the_grid():
+    # r_grid = M evaluates every r at the next multiple of 1/M: the literal theorem (mpmath)
+    # at the rounded norms, and never below the exact estimate (monotone in r).
+    rng = np.random.default_rng(3)
+    n, m = 6, 16
+    r = rng.uniform(0.0, 1.0, size=(3, n))
+    r[0, 1], r[0, 2], r[1, 3], r[2, 4] = 0.0, 1.0, 5 / 16, 1e-9  # zero, one, on the grid, tiny
+    rounded = np.ceil(r * m) / m
+    assert np.all(rounded >= r) and np.all(rounded - r < 1 / m)
+    kw = dict(p=4.0, order_rounding="ceil")
+    got = A.per_instance_dpsgd_privacy([2.0, 5.0], 0.05, 1.2, r, 1e-5, r_grid=m, **kw)
+    for pt in range(3):
+        for a_i, a in enumerate([2, 5]):
+            ref = literal_theorem_33([rounded[pt].tolist()], 0.05, 1.2, a, 4.0)
+            assert float(got.rdp[pt, a_i]) == pytest.approx(ref, rel=1e-10)
+    exact = A.per_instance_dpsgd_privacy([2.0, 5.0], 0.05, 1.2, r, 1e-5, **kw)
+    assert np.all(np.asarray(got.rdp) >= np.asarray(exact.rdp))
+    assert any("rounded up" in s for s in got.assumptions)
+    for bad in (3, 1, True, 2.5, 0):
+        with pytest.raises(ValueError, match="r_grid"):
+            A.per_instance_dpsgd_privacy([2.0], 0.05, 1.2, r, 1e-5, r_grid=bad, **kw)
+    run = jax.jit(lambda x: A.per_instance_dpsgd_privacy([2.0, 5.0], 0.05, 1.2, x, 1e-5, r_grid=m, **kw).epsilon)
+    out = np.asarray(run(np.where(r > 0.9, 1.5, r)))
+    hit = np.any(r > 0.9, axis=-1)
+    assert hit.any() and np.all(np.isnan(out[hit])) and np.all(np.isfinite(out[~hit]))
