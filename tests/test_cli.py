@@ -218,15 +218,20 @@ def test_per_instance_plumbing(dpsgd_run, tmp_path, capsys, monkeypatch):
 
     seen = {}
 
-    def fake(norms, *, delta=None):
-        seen["norms"] = norms
+    def fake(norms, *, delta=None, r_grid=None):
+        seen["norms"], seen["r_grid"] = norms, r_grid
         eps = 4.0 * norms.r.mean(axis=1)
         est = A.PerInstancePrivacy(eps, eps, eps[:, None], None, "estimate", ("ESTIMATE: stand-in",))
         return T.PerPointPrivacy(2.0, 1e-5, "dpsgd", "reason", est, est, norms.checkpoint_steps, 23)
 
     monkeypatch.setattr(T, "per_point_privacy", fake)
     csv, png = tmp_path / "p.csv", tmp_path / "h.png"
-    assert main(["per-instance", "--checkpoint-dir", str(dpsgd_run), "--out", str(csv), "--histogram", str(png)]) == 0
+    rc = main(["per-instance", "--checkpoint-dir", str(dpsgd_run), "--r-grid", "1000", "--out", "none"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--r-grid must be a power of two" in err and err.count("\n") == 1
+    assert main(["per-instance", "--checkpoint-dir", str(dpsgd_run), "--out", str(csv), "--histogram", str(png),
+                 "--r-grid", "1024"]) == 0
+    assert seen["r_grid"] == 1024
     out = capsys.readouterr().out
     assert out.startswith("NOT PRIVATE") and out.splitlines()[1].startswith("guarantee of the released model: epsilon = 2")
     norms = seen["norms"]

@@ -49,6 +49,10 @@ def add_parser(sub) -> None:
                         "'none' to skip)")
     p.add_argument("--chunk-size", type=int, default=1024,
                    help="records per compiled gradient-norm call: sets the memory (default 1024)")
+    p.add_argument("--r-grid", type=int, default=None, metavar="M",
+                   help="round each clipped-norm ratio r up to a multiple of 1/M (a power of two, e.g. 16384) for "
+                        "the Theorem 3.3 estimate: a table lookup, ~10x faster on large data sets, never below the "
+                        "exact estimate (default: exact)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=run)
 
@@ -155,12 +159,14 @@ def run(args) -> int:
         _check_writable("--histogram", hist)
         if args.chunk_size < 1:
             raise _Usage(f"--chunk-size must be a positive integer; got {args.chunk_size}")
+        if args.r_grid is not None and (args.r_grid < 2 or args.r_grid & (args.r_grid - 1)):
+            raise _Usage(f"--r-grid must be a power of two >= 2 (e.g. 16384); got {args.r_grid}")
         ds = _load(args.data)
         model, ds = _model(args.checkpoint_dir, ds)
         from ..training import clipped_norms_at_checkpoints, per_point_privacy
 
         norms = clipped_norms_at_checkpoints(model, ds, args.checkpoint_dir, chunk_size=args.chunk_size)
-        res = per_point_privacy(norms, delta=args.delta)
+        res = per_point_privacy(norms, delta=args.delta, r_grid=args.r_grid)
     except _Usage as err:
         return error(str(err))
     except (ValueError, TypeError, FileNotFoundError) as err:

@@ -348,7 +348,7 @@ def _realised_rdp(r, checkpoint_steps, num_steps, q, noise_multiplier, orders, b
 
 
 def per_point_privacy(norms: CheckpointNorms, *, delta: float | None = None, orders=None, p: float | None = None,
-                      chunk_size: int = 256) -> PerPointPrivacy:
+                      chunk_size: int = 256, r_grid: int | None = None) -> PerPointPrivacy:
     r"""Per-point ε of a DP-SGD run from its checkpoint norms, after the guarantee of the release.
 
     Three numbers per run, in this order of authority:
@@ -376,6 +376,10 @@ def per_point_privacy(norms: CheckpointNorms, *, delta: float | None = None, ord
         :data:`jaxdp.accounting.PER_INSTANCE_ORDERS`.
       p: Hölder exponent of Theorem 3.3 (default 3n).
       chunk_size: points per chunk of the accountants (memory).
+      r_grid: ``None`` (exact) or a power of two M: the Theorem 3.3 estimate rounds each r
+        up to a multiple of 1/M and reads a table (an upper bound of the exact estimate,
+        much faster for large data sets; see
+        :func:`jaxdp.accounting.per_instance_dpsgd_privacy`).
 
     Returns:
       :class:`PerPointPrivacy`.
@@ -415,7 +419,7 @@ def per_point_privacy(norms: CheckpointNorms, *, delta: float | None = None, ord
     release = privacy_report(ledger._replace(delta=delta))
 
     est = acc.per_instance_dpsgd_privacy(orders_np, q, nm, r, delta, num_steps=n, checkpoint_steps=ck, p=p,
-                                         chunk_size=chunk_size)
+                                         chunk_size=chunk_size, r_grid=r_grid)
     est = dataclasses.replace(est, epsilon=np.asarray(est.epsilon), order=np.asarray(est.order),
                               rdp=np.asarray(est.rdp))
     rdp = _realised_rdp(r, ck, n, q, nm, orders_np, 4 * chunk_size)
