@@ -17,15 +17,21 @@ the timing does not depend on the values):
   ``train`` runs it;
 * ``jaxdp vmap``: the same step with ``use_fast_path=False`` (``vmap(grad)``);
 * ``jax non-private``: gradient of the mean loss on a fixed batch of 256 and an SGD step;
+  ``jax non-private in scan``: the same in a rolled ``lax.scan`` (compare it with ``jaxdp in
+  scan``: both timed the same way);
 * ``noise draw``: the Gaussian noise for all parameters alone (``add_gaussian_noise``);
 * ``clipped sum``: :func:`clipped_grad_sum` alone on ``capacity`` rows;
 * ``opacus default`` (``grad_sample_mode="hooks"``) and ``opacus ghost``
   (``grad_sample_mode="ghost"``, fast gradient clipping) on the equivalent ``torch.nn``
   model, a fixed batch of 256 (Opacus' Poisson loader would only vary the batch size).
 
-JAX steps (except ``jaxdp in scan``) are timed inside an unrolled ``lax.scan`` of ``--scan`` steps, after compilation; PyTorch
-steps in a Python loop of ``--inner`` steps. Each figure is the median over ``--repeats``
-timed blocks. Run::
+JAX steps (except the two "in scan") are timed inside an unrolled ``lax.scan`` of ``--scan``
+steps, after compilation; PyTorch steps in a Python loop of ``--inner`` steps. Each figure
+is the median over ``--repeats`` timed blocks. Every block is timed on both clocks: the
+table shows ``--clock`` and a second table the CPU seconds per wall second of each
+contender, i.e. how many cores it kept busy (with XLA's default CPU flags, jax 0.10, its
+dots and convolutions run on one thread whatever the core count; ``--xla-eigen`` sets
+``--xla_cpu_use_xnnpack=false``, under which they run on Eigen's intra-op threads). Run::
 
     python benchmarks/dpsgd_step.py            # full run (a few minutes on 2 cores)
     python benchmarks/dpsgd_step.py --smoke    # seconds
@@ -51,15 +57,21 @@ N = 10_000  # records the Poisson sample is drawn from
 LR = 0.1
 
 
-_CLOCK = time.perf_counter  # --clock cpu: time.process_time (CPU seconds of this process)
+_CLOCK = "wall"  # --clock cpu: time.process_time (CPU seconds of this process)
+_CPU_PER_WALL = {}  # label -> median CPU seconds per wall second of its blocks
 
 
-def _median_time(fn, repeats, inner):
-    times = []
+def _median_time(fn, repeats, inner, label=None):
+    """Median seconds per step on ``_CLOCK``; records the CPU/wall ratio under ``label``."""
+    times, ratios = [], []
     for _ in range(repeats):
-        t = _CLOCK()
+        w, c = time.perf_counter(), time.process_time()
         fn()
-        times.append((_CLOCK() - t) / inner)
+        w, c = time.perf_counter() - w, time.process_time() - c
+        times.append((c if _CLOCK == "cpu" else w) / inner)
+        ratios.append(c / w)
+    if label is not None:
+        _CPU_PER_WALL[label] = statistics.median(ratios)
     return statistics.median(times)
 
 
@@ -133,7 +145,7 @@ def bench_jax(name, x, y, repeats, scan, overflow=1e-2):
     capacity = batch_capacity(N, q, overflow)
     out = {"capacity": capacity}
 
-    def timed(step, carry, length=scan, unroll=True):
+    def timed(label, step, carry, length=scan, unroll=True):
         @jax.jit
         def run(carry):
             # Unrolled: XLA on CPU runs non-canonical convolutions (the plain JAX gradient's)
@@ -145,7 +157,7 @@ def bench_jax(name, x, y, repeats, scan, overflow=1e-2):
         def go():
             jax.block_until_ready(run(carry))
 
-        return _median_time(go, repeats, length)
+        return _median_time(go, repeats, length, (name, label))
 
     for label, fast in (("jaxdp dpsgd_step", None), ("jaxdp vmap", False)):
         tx = dpsgd(optax.sgd(LR), 1.0, 1.0, float(B), jax.random.key(1))
@@ -158,9 +170,11 @@ def bench_jax(name, x, y, repeats, scan, overflow=1e-2):
             return p, s, k
 
         # The vmap path is slow (per-example gradients materialised): fewer steps per block.
-        out[label] = timed(step, (params, tx.init(params), jax.random.key(2)), scan if fast is None else min(scan, 3))
+        out[label] = timed(label, step, (params, tx.init(params), jax.random.key(2)),
+                           scan if fast is None else min(scan, 3))
         if fast is None:
-            out["jaxdp in scan"] = timed(step, (params, tx.init(params), jax.random.key(2)), unroll=False)
+            out["jaxdp in scan"] = timed("jaxdp in scan", step, (params, tx.init(params), jax.random.key(2)),
+                                         unroll=False)
 
     xb, yb = xs[:B], ys[:B]
 
@@ -168,7 +182,10 @@ def bench_jax(name, x, y, repeats, scan, overflow=1e-2):
         g = jax.grad(lambda p: jnp.mean(loss(nnx.merge(graphdef, p, rest), xb, yb)))(p)
         return jax.tree.map(lambda a, b: a - LR * b, p, g)
 
-    out["jax non-private"] = timed(nonprivate, params)
+    out["jax non-private"] = timed("jax non-private", nonprivate, params)
+    # Rolled as "jaxdp in scan" is. (For the CNN this pays XLA's penalty for non-canonical
+    # convolutions in a loop, which jaxdp's own convolutions avoid: see the README.)
+    out["jax non-private in scan"] = timed("jax non-private in scan", nonprivate, params, unroll=False)
 
     noise = add_gaussian_noise(1.0, jax.random.key(3))
     zeros = jax.tree.map(jnp.zeros_like, params)
@@ -178,7 +195,7 @@ def bench_jax(name, x, y, repeats, scan, overflow=1e-2):
         u, s = noise.update(zeros, s)
         return s, jax.tree.map(jnp.add, acc, u)  # use the draw, or XLA removes it
 
-    out["noise draw"] = timed(draw, (noise.init(params), zeros))
+    out["noise draw"] = timed("noise draw", draw, (noise.init(params), zeros))
 
     xc, yc = xs[:capacity], ys[:capacity]
 
@@ -186,7 +203,7 @@ def bench_jax(name, x, y, repeats, scan, overflow=1e-2):
         cg = clipped_grad_sum(loss, nnx.merge(graphdef, p, rest), (xc, yc), 1.0)
         return jax.tree.map(lambda a, b: a - 1e-6 * b, p, cg.grad_sum)
 
-    out["clipped sum"] = timed(clipped, params)
+    out["clipped sum"] = timed("clipped sum", clipped, params)
     return out
 
 
@@ -232,7 +249,7 @@ def bench_torch(name, x, y, repeats, inner):
             warnings.simplefilter("ignore")
             for _ in range(2):
                 step_dp()
-            out[label] = _median_time(loop(step_dp), repeats, inner)
+            out[label] = _median_time(loop(step_dp), repeats, inner, (name, label))
     return out
 
 
@@ -248,12 +265,19 @@ def main(argv=None) -> int:
                          "single-threaded, e.g. XLA_FLAGS='--xla_cpu_multi_thread_eigen=false "
                          "intra_op_parallelism_threads=1' and --torch-threads 1, or idle threads count)")
     ap.add_argument("--torch-threads", type=int, default=None)
+    ap.add_argument("--xla-eigen", action="store_true",
+                    help="add --xla_cpu_use_xnnpack=false to XLA_FLAGS (dots and convolutions on Eigen's "
+                         "intra-op threads instead of XNNPACK's single thread)")
     ap.add_argument("--no-opacus", action="store_true", help="skip the Opacus contenders")
     ap.add_argument("--overflow", type=float, default=1e-2,
                     help="batch_capacity's overflow probability for the padded batch (train uses 1e-2)")
     args = ap.parse_args(argv)
     global _CLOCK
-    _CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
+    _CLOCK = args.clock
+    if args.xla_eigen:
+        if "jax" in sys.modules:
+            raise SystemExit("--xla-eigen must be set before jax is imported")
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_xnnpack=false").strip()
     if args.smoke:
         args.repeats, args.scan, args.inner = 2, 2, 1
     import jax
@@ -263,12 +287,12 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.torch_threads)
     print(f"machine: {_cpu_model()}, {os.cpu_count()} CPU cores, load average "
           f"{' '.join(f'{v:.2f}' for v in os.getloadavg())}; jax {jax.__version__} ({jax.default_backend()}), "
-          f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
+          f"torch {torch.__version__} ({torch.get_num_threads()} threads); XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     print(f"expected batch {B} (Poisson, q = {B}/{N}), float32; median of {args.repeats} blocks; ms per step "
           f"({'CPU' if args.clock == 'cpu' else 'wall'} time)\n")
     x, y = data()
-    header = ("jaxdp dpsgd_step", "jaxdp in scan", "jaxdp vmap", "jax non-private", "noise draw", "clipped sum", "opacus default",
-              "opacus ghost")
+    header = ("jaxdp dpsgd_step", "jaxdp in scan", "jaxdp vmap", "jax non-private", "jax non-private in scan",
+              "noise draw", "clipped sum", "opacus default", "opacus ghost")
     rows = []
     for name in args.models.split(","):
         res = bench_jax(name, x, y, args.repeats, args.scan, args.overflow)
@@ -279,13 +303,17 @@ def main(argv=None) -> int:
     print("model  " + "  ".join(f"{h:>16}" for h in header))
     for name, res in rows:
         print(f"{name:<5}  " + "  ".join(f"{1e3 * res[h]:16.3f}" for h in header))
+    print("\nCPU seconds per wall second (cores kept busy):")
+    for name, _ in rows:
+        print(f"{name:<5}  " + "  ".join(f"{_CPU_PER_WALL.get((name, h), float('nan')):16.2f}" for h in header))
     print()
     for name, res in rows:
         p = res["jaxdp dpsgd_step"]
         floor = res["jax non-private"] + res["noise draw"]
         print(f"{name} (capacity {res['capacity']}): opacus ghost / jaxdp = {res['opacus ghost'] / p:.2f}x "
               f"(target > 1); opacus default / jaxdp = {res['opacus default'] / p:.1f}x; "
-              f"jaxdp / (non-private + noise) = {p / floor:.2f}x (target <= 1.5); "
+              f"jaxdp / (non-private + noise) = {p / floor:.2f}x (target <= 1.5; both in a rolled scan: "
+              f"{res['jaxdp in scan'] / (res['jax non-private in scan'] + res['noise draw']):.2f}x); "
               f"noise share of the step = {100 * res['noise draw'] / p:.0f}%; "
               f"vmap path / jaxdp = {res['jaxdp vmap'] / p:.1f}x")
     print(f"\nload average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")

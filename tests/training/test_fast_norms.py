@@ -17,7 +17,12 @@ from flax import nnx
 
 from jaxdp.models import softmax_cross_entropy_loss
 from jaxdp.training import clipped_grad_sum, fast_path_supported, per_example_grad_norms
-from jaxdp.training._clipping import _embed_sq_norm, _sq_norm_positions
+from jaxdp.training._clipping import (
+    _conv_per_example_kernel_grads_grouped,
+    _conv_per_example_kernel_grads_slices,
+    _embed_sq_norm,
+    _sq_norm_positions,
+)
 
 from .test_clipping import _loop_grads, _reference_clipped_sum
 
@@ -25,6 +30,7 @@ from .test_clipping import _loop_grads, _reference_clipped_sum
 X64_TOL = 1e-12
 # float32: sums over a few hundred terms in different orders; 1e-5 relative is ~100 ulps.
 F32_TOL = 1e-5
+_CANONICAL = "[b, 0, 1, f]x[0, 1, i, o]->[b, 0, 1, f]"  # XLA's canonical convolution form
 
 
 @pytest.fixture
@@ -141,15 +147,44 @@ def test_fast_norms_float32_jitted_with_mask():
     for a, b in zip(jax.tree.leaves(fast.grad_sum), ref_sum, strict=True):
         assert a.dtype == jnp.float32
         np.testing.assert_allclose(a, b, rtol=F32_TOL, atol=F32_TOL * float(np.max(np.abs(b))))
-    # Every convolution (the forward ones, the input and filter gradients, the grouped
-    # per-example filter gradients; strided and dilated here) is in XLA's canonical form:
-    # on CPU a non-canonical one inside a scan over steps runs 10-25x slower. The vmap path
-    # too (lowering only: a trace, no compilation).
+    # Every convolution (the forward ones, the input and filter gradients; strided and
+    # dilated here) is in XLA's canonical form: on CPU a non-canonical one inside a scan over
+    # steps runs 10-25x slower. The vmap path too (lowering only: a trace, no compilation).
+    # (The per-example kernel gradients of these few-channel layers use no convolution; the
+    # grouped form's are checked in test_conv_per_example_kernel_grads_both_forms.)
     vmap_run = jax.jit(lambda p: clipped_grad_sum(softmax_cross_entropy_loss, nnx.merge(graphdef, p, rest), (x, y),
                                                   0.2, use_fast_path=False))
     for text in (run.lower(params).as_text(), vmap_run.lower(params).as_text()):
         dims = re.findall(r"dim_numbers = (.*?), window", text)
-        assert len(dims) >= 4 and set(dims) == {"[b, 0, 1, f]x[0, 1, i, o]->[b, 0, 1, f]"}, dims
+        assert len(dims) >= 3 and set(dims) == {_CANONICAL}, dims
+
+
+def test_conv_per_example_kernel_grads_both_forms(x64):
+    """Both ways of forming per-example kernel gradients (offset slices for few input
+    channels, one grouped convolution otherwise) against one ``jax.grad`` per example, for a
+    strided, dilated, asymmetric convolution whose three layouts all differ; the grouped
+    form's convolutions in XLA's canonical form."""
+    layout = ("NCHW", "OIHW", "NHWC")
+    rng = np.random.default_rng(7)
+    b, spatial, c_in, c_out, size, strides, dilation = 2, (7, 6), 3, 4, (3, 2), (2, 1), (2, 1)
+    lhs, rhs = (b, c_in, *spatial), (c_out, c_in, *size)
+    x, kernel = jnp.asarray(rng.normal(size=lhs)), jnp.asarray(rng.normal(size=rhs))
+    dn = jax.lax.conv_dimension_numbers(lhs, rhs, layout)
+
+    def conv(xi, k):
+        return jax.lax.conv_general_dilated(xi, k, strides, "SAME", rhs_dilation=dilation, dimension_numbers=dn)
+
+    delta = jnp.asarray(rng.normal(size=conv(x, kernel).shape))
+    one = jax.jit(jax.grad(lambda k, xi, di: jnp.sum(conv(xi[None], k) * di[None])))  # one example's gradient
+    want = np.stack([one(kernel, x[i], delta[i]) for i in range(b)])
+    rec = {"inputs": x, "recorder": type("R", (), {"params": {"kernel": kernel}})(),
+           "conv": {"strides": strides, "padding": "SAME", "dn": dn, "lhs_dilation": (1, 1), "rhs_dilation": dilation,
+                    "filter_shape": size, "groups": (1, 1)}}
+    for form in (_conv_per_example_kernel_grads_slices, _conv_per_example_kernel_grads_grouped):
+        fn = jax.jit(lambda d, form=form: form(rec, d))
+        np.testing.assert_allclose(fn(delta), want, rtol=X64_TOL, atol=X64_TOL * np.max(np.abs(want)))
+    text = fn.lower(delta).as_text()  # the grouped form's
+    assert set(re.findall(r"dim_numbers = (.*?), window", text)) == {_CANONICAL}
 
 
 @pytest.mark.parametrize("t,d,e", [(1, 5, 3), (3, 2, 2), (4, 40, 30)])  # rank one, unfold, Gram
