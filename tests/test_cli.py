@@ -1,6 +1,7 @@
 """The jaxdp command: outputs against the library's references, one-line errors, exit codes."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -375,3 +376,27 @@ def test_train_devices_option_is_checked_before_training(capsys):
     assert "--devices must be an integer in [1," in err and "Traceback" not in err
     assert main(["train", "--smoke", "--algorithm", "dpsbcd", "--model", "mlp", "--devices", "1"]) == 2
     assert "not supported with --algorithm dpsbcd" in capsys.readouterr().err
+
+
+def test_train_dpsgd_target_epsilon(capsys):
+    """--target-epsilon calibrates DP-SGD's noise multiplier for the run's q and steps."""
+    import jaxdp.accounting as A
+
+    argv = ["train", "--algorithm", "dpsgd", "--model", "softmax", "--smoke", "--batch-size", "128", "--plot", "none",
+            "--target-epsilon", "2", "--insecure-noise-seed", "0", "--json"]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    led = data["ledger"]
+    steps = math.ceil(1438 / 128)  # one pass of the 1,438 training digits
+    ref = A.calibrate_noise_multiplier(2.0, 128 / 1438, steps, 1e-5).noise_multiplier
+    assert led["noise_multiplier"] == pytest.approx(float(ref), rel=1e-12) and led["total_steps"] == steps
+    assert data["epsilon_worst"] <= 2.0
+    assert data["epsilon_worst"] == pytest.approx(float(A.dpsgd_epsilon(128 / 1438, ref, steps, 1e-5)), rel=1e-12)
+    for extra, needle in ((["--noise-multiplier", "2"], "not both"), (["--target-epsilon", "0"], "positive")):
+        bad = [a for a in argv if a != "--json"]
+        if extra[0] == "--target-epsilon":
+            bad = bad[:bad.index("--target-epsilon")] + bad[bad.index("--target-epsilon") + 2:]
+        assert main(bad + extra) == 2
+        assert needle in capsys.readouterr().err
+    assert main(["train", "--target-epsilon", "1", "--smoke", "--plot", "none"]) == 2
+    assert "--algorithm dpsgd only" in capsys.readouterr().err

@@ -53,9 +53,12 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=64, help="records per step (default 64)")
     p.add_argument("--learning-rate", type=float, default=1.0,
                    help="learning rate eta; convex models need the step-size rule of the README (default 1)")
-    p.add_argument("--noise-multiplier", type=float, default=1.0,
+    p.add_argument("--noise-multiplier", type=float, default=None,
                    help="noise std over the replace-one sensitivity 2C/b of the averaged clipped gradient "
                         "(default 1; Opacus's multiplier for the same noise is twice this)")
+    p.add_argument("--target-epsilon", type=float, default=None, metavar="EPSILON",
+                   help="dpsgd: instead of --noise-multiplier, the smallest noise multiplier whose epsilon at --delta "
+                        "is at most EPSILON for this run's q and steps (calibrate_noise_multiplier)")
     p.add_argument("--radius", type=float, default=30.0, help="radius R of the parameter ball, D = 2R (default 30)")
     p.add_argument("--clip-norm", type=float, default=None,
                    help="clip norm C (default: the Lipschitz bound for convex models, 1 for the MLP)")
@@ -199,6 +202,7 @@ def run(args) -> int:
             sbcd, passes = _dpsbcd_options(args, passes)
         ds = _load(args)
         model, ds = _model(args, ds)
+        noise_multiplier = _noise_multiplier(args, len(ds.x_train), passes)
         clip = args.clip_norm
         if clip is None and (args.model == "mlp" or args.algorithm != "pnsgd"):
             clip = 1.0
@@ -211,7 +215,7 @@ def run(args) -> int:
             warnings.showwarning = lambda message, *_a, **_k: print(f"jaxdp: warning: {message}", file=sys.stderr)
             res = train(
                 model, ds, algorithm=args.algorithm, learning_rate=args.learning_rate,
-                noise_multiplier=None if sbcd else args.noise_multiplier,
+                noise_multiplier=None if sbcd else noise_multiplier,
                 radius=None if args.algorithm != "pnsgd" else args.radius, **sbcd,
                 batch_size=args.batch_size, passes=passes, delta=args.delta, order_seed=args.order_seed,
                 noise_seed=args.insecure_noise_seed, clip_norm=clip,
@@ -263,6 +267,31 @@ def run(args) -> int:
     if plot and status == 0:
         print(f"wrote {plot}")
     return status
+
+
+def _noise_multiplier(args, num_records: int, passes: int) -> float:
+    """--noise-multiplier, or with --target-epsilon (DP-SGD) the calibrated one."""
+    if args.target_epsilon is None:
+        return 1.0 if args.noise_multiplier is None else args.noise_multiplier
+    if args.algorithm != "dpsgd":
+        raise _Usage("--target-epsilon is supported with --algorithm dpsgd only (for PNSGD see "
+                     "calibrate_pnsgd_noise_std)")
+    if args.noise_multiplier is not None:
+        raise _Usage("give --noise-multiplier or --target-epsilon, not both")
+    if not args.target_epsilon > 0 or math.isinf(args.target_epsilon):
+        raise _Usage(f"--target-epsilon must be a positive number; got {args.target_epsilon}")
+    if not 1 <= args.batch_size <= num_records:
+        raise _Usage(f"--batch-size must be in [1, {num_records}] (the training records); got {args.batch_size}")
+    from .. import accounting
+
+    q = args.batch_size / num_records
+    num_steps = passes * math.ceil(num_records / args.batch_size)  # as train(algorithm="dpsgd") runs it
+    res = accounting.calibrate_noise_multiplier(args.target_epsilon, q, num_steps, args.delta)
+    nm = float(res.noise_multiplier)
+    if not math.isfinite(nm):
+        raise _Usage(f"--target-epsilon {args.target_epsilon:g} is not reachable at --delta {args.delta:g} with a "
+                     "noise multiplier up to 1e4")
+    return nm
 
 
 def _f(x: float) -> str:
