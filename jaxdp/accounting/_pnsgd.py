@@ -447,8 +447,7 @@ def _shifted_mu(pos, n, lip, beta, rho, eta, sig, dia, b, k, ok):
     n, lip, eta, sig, dia, b, k, lc = (jnp.broadcast_to(x, shape) for x in (n, lip, eta, sig, dia, b, k, lc))
     energy = _shifted_energy(pos, n, lip, eta, dia, b, k, lc)
     pos_e = energy > 0
-    mu = jnp.where(pos_e, jnp.sqrt(jnp.where(pos_e, energy, 1.0)), 0.0) / sig
-    return mu
+    return jnp.where(pos_e, jnp.sqrt(jnp.where(pos_e, energy, 1.0)), 0.0) / sig
 
 
 @float64

@@ -5,9 +5,11 @@ target, ...) is the threshold of a monotone predicate: ``accept(x)`` is false be
 root and true above it. :func:`search_decreasing` finds it with a fixed number of steps
 (so it runs under ``jit`` and ``vmap``) and returns the smallest *accepted* point it
 evaluated: the result is always on the safe side of the target, whatever the accuracy.
-By default each step halves the bracket; a caller that knows more (the DP-SGD calibration
-extrapolates every Rényi order at once) passes a ``propose`` function, and a proposal
-outside the open bracket falls back to the halving (a safeguarded secant/Newton search).
+By default each step halves the bracket; a caller that knows more passes a ``propose``
+function, and a proposal outside the open bracket falls back to the halving (a
+safeguarded secant/Newton search). :func:`search_certified` is the model-guided variant
+that stops per element once the threshold is certified to a width (the DP-SGD
+calibration, which fits a model of every Rényi order at once).
 
 :func:`implicit_root` attaches the derivative of the root by the implicit function
 theorem, as a ``custom_jvp``: the rule (a linearisation of the constraint at the root) is
@@ -60,7 +62,6 @@ def search_decreasing(
     *,
     propose: Callable | None = None,
     stack_ends: bool = True,
-    tol: float | None = None,
     ends_in_loop: bool = False,
 ) -> SearchResult:
     r"""Smallest x in [lo, hi] with ``accept(x)``, by a fixed-count safeguarded bracket search.
@@ -78,13 +79,8 @@ def search_decreasing(
     tightness. Runs under ``jit`` and ``vmap``. Values only: wrap the result with
     :func:`implicit_root` for derivatives.
 
-    With ``tol`` the search stops early, once every element's bracket is at most ``tol``
-    wide (a rejected point within ``tol`` below the accepted one: the threshold is then
-    certified to lie in that interval), and ``iterations`` is the cap. A proposal search
-    converges on the accepted side and never moves its rejected end, so when an accepted
-    point moved the upper end by less than ``tol`` (converged), the next point evaluated is
-    ``tol`` below it (a certificate: rejected, the search is done; accepted, it is a better
-    point). Without ``tol`` every element runs ``iterations`` steps (a ``fori_loop``).
+    Every element runs ``iterations`` steps (a ``fori_loop``); for an early stop at a
+    certified width, see :func:`search_certified`.
 
     Args:
       accept: ``x -> (ok, aux)``, elementwise over x; with ``stack_ends`` it must accept a
@@ -93,12 +89,9 @@ def search_decreasing(
       iterations: number of steps after the two end evaluations (static).
       propose: optional extrapolation; non-finite or out-of-bracket proposals bisect.
       stack_ends: evaluate both ends in one call of ``accept`` (smaller program).
-      tol: optional certified bracket width (static) for an early stop; ``None`` runs
-        exactly ``iterations`` steps.
       ends_in_loop: evaluate the ends as the loop's first two steps (``hi``, then ``lo``),
         so that ``accept`` is traced once: for an expensive ``accept`` (a large compiled
-        program), instead of a second copy for the ends. Same points, same result; not
-        with ``tol``.
+        program), instead of a second copy for the ends. Same points, same result.
 
     Returns:
       :class:`SearchResult`.
@@ -106,10 +99,7 @@ def search_decreasing(
     lo = jax.lax.stop_gradient(jnp.asarray(lo))
     hi = jax.lax.stop_gradient(jnp.asarray(hi))
     lo, hi = jnp.broadcast_arrays(lo, hi)
-    low_probe_gap = 0.5 * tol if tol is not None else 0.0
     if ends_in_loop:
-        if tol is not None:
-            raise ValueError("ends_in_loop does not take tol")
         return _search_ends_in_loop(accept, lo, hi, iterations, propose)
     if stack_ends:
         ok2, aux2 = accept(jnp.stack([lo, hi]))
@@ -120,19 +110,14 @@ def search_decreasing(
         ok_lo, aux_lo = accept(lo)
         ok_hi, aux_hi = accept(hi)
 
-    def body(_, state, low_probe=None):
+    def body(_, state):
         x = _next_point(state, propose)
-        if low_probe is not None:
-            x = jnp.where(low_probe, jnp.maximum(state[3] - low_probe_gap, 0.5 * (state[0] + state[3])), x)
         ok, aux = accept(x)
         return _keep_bracket(state, x, ok, aux)
 
     one = jnp.ones(lo.shape)
     state = (lo, aux_lo, one, hi, aux_hi, one, jnp.zeros(lo.shape))
-    if tol is None:
-        _, _, _, b, aux_b, _, _ = jax.lax.fori_loop(0, iterations, body, state)
-    else:
-        b, aux_b = _search_until(body, state, ok_lo | ~ok_hi, iterations, float(tol), propose)
+    _, _, _, b, aux_b, _, _ = jax.lax.fori_loop(0, iterations, body, state)
     x = jnp.where(ok_lo, lo, b)
     aux = _select(ok_lo, aux_lo, aux_b)
     x = jnp.where(ok_hi, x, jnp.inf)
@@ -184,40 +169,6 @@ def _search_ends_in_loop(accept, lo, hi, iterations, propose):
     # Where lo is accepted every later point is too, so the lower end (and its aux) stays lo's.
     x = jnp.where(ok_hi, jnp.where(ok_lo, lo, b), jnp.inf)
     return SearchResult(x, _select(ok_lo, aux_a, aux_b), ok_hi, ok_lo)
-
-
-def _search_until(body, state, finished, iterations, tol, propose):
-    """The steps of :func:`search_decreasing` in a ``while_loop`` that stops at width ``tol``.
-
-    ``finished`` marks elements with nothing to search (threshold at or beyond an end).
-    Elements that are done keep their state (the loop runs while any is not done, at most
-    ``iterations`` steps). Returns the accepted end and its aux.
-    """
-    def width_ok(st):
-        return (st[3] - st[0]) <= tol
-
-    def cond(carry):
-        k, st, moved = carry
-        return (k < iterations) & jnp.any(~(finished | width_ok(st)))
-
-    def step(carry):
-        k, st, moved = carry
-        done = finished | width_ok(st)
-        # Converged from above (the accepted end moved by less than tol): certify from below.
-        low = (moved < tol) if propose is not None else None
-        new = body(k, st, low)
-        new = tuple(_select(done, u, v) for u, v in zip(st, new))
-        # How far an accepted proposal moved the upper end; +inf after a rejection or a
-        # certifying probe (an accepted one resumes the proposals).
-        shrunk = new[3] < st[3]
-        if low is not None:
-            shrunk = shrunk & ~low
-        moved = jnp.where(done, moved, jnp.where(shrunk, st[3] - new[3], jnp.inf))
-        return k + 1, new, moved
-
-    init = (jnp.asarray(0), state, jnp.full(state[0].shape, jnp.inf))
-    _, st, _ = jax.lax.while_loop(cond, step, init)
-    return st[3], st[4]
 
 
 # A candidate this close outside the bracket (in x) is taken as the end itself.
