@@ -334,32 +334,29 @@ def _plan(orders_key, num_steps, ckpt_key, p, rounding, levels) -> _Plan:
     )
 
 
-def _grid_tables(plan: _Plan, q, noise_multiplier, r_grid: int):
-    """Per block, the per-step RDP at r = j / r_grid, j = 0..r_grid: shape (r_grid + 1, k_b)."""
-    grid = jnp.arange(r_grid + 1, dtype=jnp.float64) / r_grid  # exact: r_grid is a power of 2
-    return tuple(_pi_rdp(orders, q, noise_multiplier, grid) for _, orders in plan.blocks)
-
-
-def _grid_lookup(table, r, r_grid: int):
-    """The table row of the smallest grid point j / r_grid ≥ r (NaN for r outside [0, 1])."""
+def _grid_index(r, r_grid: int):
+    """Index j of the smallest grid point j / r_grid ≥ r, and whether r is in [0, 1]."""
     valid = (r >= 0) & (r <= 1)
     rs = jnp.where(valid, r, 0.0)
     j = jnp.ceil(rs * r_grid)
     # j / r_grid is exact (a power of 2): one comparison makes sure the grid point is not
     # below r even if the product r * r_grid was rounded down.
     j = jnp.clip(jnp.where(j / r_grid < rs, j + 1, j), 0, r_grid).astype(jnp.int32)
-    return jnp.where(valid[..., None], table[j], jnp.nan)
+    return j, valid
 
 
-def _compose_chunk(plan: _Plan, q, noise_multiplier, r, tables=None, r_grid=None):
-    """Theorem 3.3 for a chunk of points. ``r``: (P, R, C). Returns RDP (P, k)."""
-    n_runs = r.shape[1]
+def _block_values(plan: _Plan, r, values_of):
+    """Per-step RDP of every block for a chunk ``r`` (P, R, C), laid out as ``_compose_values`` needs."""
     parts = []
     for b, (cols, orders) in enumerate(plan.blocks):
-        rb = take(r, cols, axis=-1)  # (P, R, C_b)
-        vals = _pi_rdp(orders, q, noise_multiplier, rb) if tables is None else _grid_lookup(tables[b], rb, r_grid)
+        vals = values_of(b, orders, take(r, cols, axis=-1))  # (P, R, C_b, k_b)
         parts.append(vals.reshape(r.shape[:2] + (-1,)))
-    e = jnp.concatenate(parts, axis=-1)  # (P, R, Σ_b C_b G_b)
+    return jnp.concatenate(parts, axis=-1)  # (P, R, Σ_b C_b G_b)
+
+
+def _compose_values(plan: _Plan, e):
+    """Theorem 3.3 from the per-step values ``e`` (P, R, Σ_b C_b G_b) of a chunk: RDP (P, k)."""
+    n_runs = e.shape[1]
     out = []
     vals = take(e, plan.flat, axis=-1) if plan.flat.size else None  # (P, R, M)
     if vals is not None:
@@ -386,6 +383,64 @@ def _compose_chunk(plan: _Plan, q, noise_multiplier, r, tables=None, r_grid=None
     return jnp.stack(out, axis=-1)
 
 
+def _compose_chunk(plan: _Plan, q, noise_multiplier, r):
+    """Theorem 3.3 for a chunk of points, every r evaluated exactly. ``r``: (P, R, C). Returns RDP (P, k)."""
+    return _compose_values(plan, _block_values(plan, r, lambda b, orders, rb: _pi_rdp(orders, q, noise_multiplier, rb)))
+
+
+def _compose_grid(plan: _Plan, r_grid: int, q, noise_multiplier, chunks):
+    """Theorem 3.3 with every r rounded up to the grid: one table per block, then lookups.
+
+    The tables (the per-step RDP at r = j / r_grid, j = 0..r_grid) are computed once for
+    all chunks. Derivatives in q and σ come from a ``custom_jvp``: its rule tabulates the
+    partials too and carries the tangent as partial × tangent through the composition, so
+    no gather is ever differentiated (reverse mode would transpose one into a scatter onto
+    zeros made outside the float64 scope, float32 with x64 off). Without differentiation
+    only the value table is computed. r itself gets no derivative (the rounding is
+    piecewise constant).
+    """
+    # A NumPy constant (a custom_jvp closes over no traced values); exact: r_grid is a power of 2.
+    grid = np.arange(r_grid + 1, dtype=np.float64) / r_grid
+
+    def table(orders, q_, s_):
+        return _pi_rdp(orders, q_, s_, grid)  # (r_grid + 1, k_b)
+
+    def values_of(tables):
+        def lookup(b, orders, rb):
+            j, valid = _grid_index(rb, r_grid)
+            return jnp.where(valid[..., None], tables[b][j], jnp.nan)
+        return lookup
+
+    @jax.custom_jvp
+    def run(q_, s_, chunks_):
+        tables = [table(orders, q_, s_) for _, orders in plan.blocks]
+        return jax.lax.map(lambda x: _compose_values(plan, _block_values(plan, x, values_of(tables))), chunks_)
+
+    @run.defjvp
+    def run_jvp(primals, tangents):
+        q_, s_, chunks_ = primals
+        q_dot, s_dot, _ = tangents
+        tables, d_q, d_s = [], [], []
+        for _, orders in plan.blocks:
+            # One primal evaluation, two tangent directions (unit q, unit σ).
+            value, partials = jax.vmap(
+                lambda t, orders=orders: jax.jvp(lambda a, c: table(orders, a, c), (q_, s_), (t[0], t[1])),
+                out_axes=(None, 0))(jnp.eye(2, dtype=jnp.float64))
+            tables.append(value)
+            d_q.append(partials[0])
+            d_s.append(partials[1])
+
+        def chunk(x):
+            e = _block_values(plan, x, values_of(tables))
+            e_dot = (q_dot * jnp.where(jnp.isfinite(e), _block_values(plan, x, values_of(d_q)), 0.0)
+                     + s_dot * jnp.where(jnp.isfinite(e), _block_values(plan, x, values_of(d_s)), 0.0))
+            return jax.jvp(lambda v: _compose_values(plan, v), (e,), (e_dot,))
+
+        return jax.lax.map(chunk, chunks_)
+
+    return run(q, noise_multiplier, chunks)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6, 7, 8))
 def _compose_jit(
     orders_key, num_steps, ckpt_key, p, rounding, levels, chunk_size, method, r_grid, q, noise_multiplier, r, delta
@@ -399,8 +454,10 @@ def _compose_jit(
     if n_pad > n_pts:  # pad by concatenation (see _rdp._sgm_rdp_jit for why not jnp.pad)
         rf = jnp.concatenate([rf, jnp.zeros((n_pad - n_pts,) + rf.shape[1:], rf.dtype)])
     chunks = rf.reshape((n_pad // chunk, chunk) + rf.shape[1:])
-    tables = None if r_grid is None else _grid_tables(plan, q, noise_multiplier, r_grid)
-    rdp = jax.lax.map(lambda x: _compose_chunk(plan, q, noise_multiplier, x, tables, r_grid), chunks)
+    if r_grid is None:
+        rdp = jax.lax.map(lambda x: _compose_chunk(plan, q, noise_multiplier, x), chunks)
+    else:
+        rdp = _compose_grid(plan, r_grid, q, noise_multiplier, chunks)
     rdp = rdp.reshape(n_pad, -1)[:n_pts].reshape(batch + (len(orders_key),))
     eps = rdp_to_epsilon(rdp, np.asarray(orders_key), delta, method=method)
     return rdp, eps.epsilon, eps.order
@@ -480,8 +537,9 @@ def per_instance_dpsgd_privacy(
         table costs M + 1 evaluations per order level, the lookup about 50× less than an
         exact evaluation, which pays from about M/10 points on (M = 2^14: ε larger by
         at most about 1e-3 relative on the benchmark's norms; see the benchmarks README).
-        Gradients flow through q and the noise multiplier, not through r (the rounding is
-        piecewise constant).
+        Gradients flow through q and the noise multiplier (from tables of the partials,
+        computed only when differentiating), not through r (the rounding is piecewise
+        constant).
 
     Returns:
       :class:`PerInstancePrivacy` with ``epsilon``/``order`` of shape ``points``, ``rdp``

@@ -448,6 +448,16 @@ def test_r_grid_rounds_r_up_to_the_grid():
     for bad in (3, 1, True, 2.5, 0):
         with pytest.raises(ValueError, match="r_grid"):
             A.per_instance_dpsgd_privacy([2.0], 0.05, 1.2, r, 1e-5, r_grid=bad, **kw)
+    # Derivatives in q and σ: those of the exact path at the rounded norms (reverse mode,
+    # also with x64 off, where a differentiated gather would fail).
+    def total(qq, s, rr, grid):
+        return A.per_instance_dpsgd_privacy([2.0, 5.0], qq, s, rr, 1e-5, r_grid=grid, **kw).rdp.sum()
+
+    ref = jax.grad(total, argnums=(0, 1))(0.05, 1.2, rounded, None)
+    for x64 in (True, False):
+        with jax.enable_x64(x64):
+            d = jax.grad(jax.jit(lambda qq, s: total(qq, s, r, m)), argnums=(0, 1))(0.05, 1.2)
+        np.testing.assert_allclose(np.asarray(d, np.float64), np.asarray(ref), rtol=1e-9 if x64 else 1e-5)
     run = jax.jit(lambda x: A.per_instance_dpsgd_privacy([2.0, 5.0], 0.05, 1.2, x, 1e-5, r_grid=m, **kw).epsilon)
     out = np.asarray(run(np.where(r > 0.9, 1.5, r)))
     hit = np.any(r > 0.9, axis=-1)
