@@ -11,6 +11,7 @@ from dp_accounting.rdp import rdp_privacy_accountant as dpa  # noqa: E402
 import jaxdp.accounting as A  # noqa: E402
 from jaxdp.interop import from_dp_event, to_dp_event  # noqa: E402
 from tests.accounting.test_events import random_trees  # noqa: E402
+from tests.diagnostics import recheck  # noqa: E402
 from tests.references import sgm_rdp_quad  # noqa: E402
 
 # Integer orders: both libraries sum the same exact binomial series (and Laplace has a
@@ -47,10 +48,11 @@ def test_random_trees_against_dp_accounting_integer_orders():
     for tree in random_trees(8, seed=5):
         ref, acc = _da_epsilon(tree, INT_ORDERS)
         got = float(A.epsilon(tree, DELTA, orders=INT_ORDERS))
-        assert got == pytest.approx(ref, rel=EXACT_RTOL)
+        assert got == pytest.approx(ref, rel=EXACT_RTOL), recheck(f"A.epsilon({tree!r}, {DELTA!r}, orders={INT_ORDERS!r})")
         np.testing.assert_allclose(np.asarray(A.rdp(tree, INT_ORDERS)), acc._rdp, rtol=EXACT_RTOL)
         d_ref = acc.get_delta(got)
-        assert float(A.delta(tree, got, orders=INT_ORDERS)) == pytest.approx(d_ref, rel=EXACT_RTOL)
+        d_got = float(A.delta(tree, got, orders=INT_ORDERS))
+        assert d_got == pytest.approx(d_ref, rel=EXACT_RTOL), recheck(f"A.delta({tree!r}, {got!r}, orders={INT_ORDERS!r})")
 
 
 def test_replace_one_gaussian_and_laplace_against_dp_accounting():
