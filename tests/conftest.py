@@ -11,9 +11,9 @@ os.environ.setdefault("JAXDP_CACHE_DIR", "off")
 # shared one (a temporary folder for the workers and the example and command subprocesses,
 # written without a lock since no size limit was set); two CI runs each got one wrong
 # value in a random event-tree test (a δ, then an ε under the reference: 0.067 for 0.182),
-# which neither a rerun nor a stress test reproduced. Without it the suite took 9 min 19 s
-# against 8 min 19 s to 9 min 53 s with it on the same VM, so each process now compiles its
-# own programs. The command's cache (locked, in the user's folder) has its own tests.
+# which neither a rerun nor a stress test reproduced (nor five later suite runs with it).
+# Without it the suite took 9 min 19-21 s; with it 7 min 0 s to 9 min 53 s on the same VM,
+# whose speed varies by tens of percent. Each process now compiles its own programs. The command's cache (locked, in the user's folder) has its own tests.
 # A failing random-tree test prints recomputed values (tests/diagnostics.py).
 
 # Compile with XLA's backend optimisation off: the suite's time is mostly compilation of
