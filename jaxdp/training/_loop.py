@@ -712,6 +712,10 @@ def train(
     pdtype = jnp.result_type(*leaves0)
     if not jnp.issubdtype(pdtype, jnp.floating):
         raise ValueError(f"model parameters must be floating point; got {pdtype}.")
+    top = math.sqrt(float(jnp.finfo(pdtype).max))
+    if float(radius) >= top:  # the projection squares R and the norm in the parameters' dtype
+        raise ValueError(f"radius must be below {top:.3g} for {pdtype} parameters (its square must be finite); "
+                         f"got {float(radius):g}.")
 
     config = {
         "format": _FORMAT, "model": type(model).__qualname__, "loss_fn": getattr(loss_fn, "__qualname__", repr(loss_fn)),

@@ -134,9 +134,9 @@ def project_onto_l2_ball(tree: Any, radius) -> Any:
     with the global norm over all leaves, computed as
     :math:`R/\sqrt{\max(\lVert\theta\rVert^2, R^2)}`: no division by zero and finite
     gradients at :math:`\theta = 0` (for :math:`R > 0`). Where :math:`\lVert\theta\rVert^2`
-    or :math:`R^2` overflows the dtype (e.g. :math:`R \gtrsim 1.8\cdot10^{19}` in float32),
-    the same factor is computed in units of :math:`s = \max(\lVert\theta\rVert_\infty, R)`,
-    :math:`(R/s)/\sqrt{\max(\lVert\theta/s\rVert^2, (R/s)^2)}`, which cannot overflow.
+    or :math:`R^2` overflows the dtype (e.g. :math:`R \gtrsim 1.8\cdot10^{19}` in float32)
+    the result is NaN, never a silently zeroed point: ``train`` refuses such a radius up
+    front and stops with :class:`~jaxdp.training.TrainingDivergedError` on such parameters.
 
     Args:
       tree: pytree of arrays.
@@ -158,14 +158,9 @@ def project_onto_l2_ball(tree: Any, radius) -> Any:
     # differentiates through both sides of a max, so max(‖θ‖, R) has a NaN gradient at 0.
     sq = optax.tree.norm(tree, squared=True).astype(dtype)
     r = jnp.asarray(radius, dtype)
-    direct = r / jnp.sqrt(jnp.maximum(sq, r * r))
-    # In units of s = max(‖θ‖∞, R) every term is at most 1 (used only where the direct form overflows,
-    # so that ordinary runs keep their bits).
-    s = jnp.maximum(jnp.max(jnp.stack([jnp.max(jnp.abs(x)).astype(dtype) for x in leaves])), r)
-    rho = r / s
-    sq_s = optax.tree.norm(jax.tree.map(lambda x: x / s.astype(x.dtype), tree), squared=True).astype(dtype)
-    scaled = rho / jnp.sqrt(jnp.maximum(sq_s, rho * rho))
-    scale = jnp.where(jnp.isfinite(sq) & jnp.isfinite(r * r), direct, scaled)
+    scale = r / jnp.sqrt(jnp.maximum(sq, r * r))
+    # An overflowed square would give a factor 0 (the point silently sent to the centre): NaN instead.
+    scale = jnp.where((sq < jnp.inf) & (r * r < jnp.inf), scale, jnp.nan)
     return jax.tree.map(lambda x: x * scale.astype(x.dtype), tree)
 
 
