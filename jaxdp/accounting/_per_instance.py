@@ -27,6 +27,7 @@ import numpy as np
 
 from .. import _validate
 from .._numerics import f64, float64, take
+from .._pytree import register_dataclass
 from ._conversion import rdp_to_epsilon
 from ._rdp import sampled_gaussian_rdp
 
@@ -60,7 +61,7 @@ _ROUNDINGS = ("levels", "ceil")
 
 
 @functools.partial(
-    jax.tree_util.register_dataclass,
+    register_dataclass,  # not JAX's: see jaxdp/_pytree.py
     data_fields=["epsilon", "order", "rdp", "halt_step"],
     meta_fields=["analysis", "assumptions"],
 )
