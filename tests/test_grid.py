@@ -291,3 +291,48 @@ def test_cli_range_sizes_are_capped_before_allocation(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err == (f"jaxdp: error: --q: the point count N of LO:HI:N must be in [1, {MAX_RANGE_POINTS:_}]; "
                    "got 1000000000")
+
+
+def _small_file_system_runs(folder, script):
+    """Run ``script`` (Python) in a user and mount namespace with a 64 kB tmpfs on ``folder``; None if not allowed."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None:
+        return None
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs '{folder}'"],
+                           capture_output=True)
+    if probe.returncode != 0:
+        return None
+    env = dict(os.environ, JAXDP_CACHE_DIR="off", PYTHONPATH=os.getcwd())
+    return subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs '{folder}' && "
+                           f"exec '{sys.executable}' -c \"$0\"", script], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+def test_full_disk_on_a_real_small_file_system(tmp_path):
+    # 64 kB: 10,000 configurations need 80 kB of results (refused before the map is made);
+    # 2,000 need 16 kB (they fit) but their CSV does not (one line, and no temporary file left).
+    folder = tmp_path / "fs"
+    folder.mkdir()
+    script = f"""
+import os, sys
+from jaxdp.cli.main import main
+base = ["grid", "--noise-multiplier", "0.5:5:50", "--num-steps", "100", "--delta", "1e-5", "--orders", "2,4,8,16,32",
+        "--no-progress", "--out", "{folder}/g"]
+print("rc", main([*base, "--q", "1e-4:1e-1:200"]), file=sys.stderr, flush=True)
+print("rc", main([*base, "--q", "1e-4:1e-1:40"]), file=sys.stderr, flush=True)
+print("files", sorted(os.listdir("{folder}/g")), file=sys.stderr)
+"""
+    res = _small_file_system_runs(folder, script)
+    if res is None:
+        pytest.skip("no user/mount namespaces here (unshare -rm): the small file system needs them")
+    lines = [ln for ln in res.stderr.splitlines() if not ln.startswith(("WARNING", "W0", "I0"))]
+    assert len(lines) == 5, res.stderr
+    assert lines[0].startswith("jaxdp: error: no space left on the device writing ") and "epsilon.npy" in lines[0]
+    assert lines[1] == "rc 1" and " free)" in lines[0]
+    assert lines[2].startswith("jaxdp: error: no space left on the device writing ") and "epsilon_grid.csv'" in lines[2]
+    assert lines[3] == "rc 1"
+    files = lines[4]
+    assert ".tmp" not in files and "epsilon_grid.csv" not in files, files
