@@ -243,6 +243,18 @@ def test_per_instance_plumbing(dpsgd_run, tmp_path, capsys, monkeypatch):
     share = np.mean(4.0 * norms.r[:, 0] < 2.0)
     assert f"{100 * share:.1f} % of 1438 records below the guarantee" in out
     assert png.stat().st_size > 0
+    # A full disk while writing the CSV: one line naming it and the free space, exit 1 (issue 26).
+    import errno
+
+    from jaxdp.cli import per_instance
+
+    def full(path, res):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(per_instance, "_write_csv", full)
+    assert main(["per-instance", "--checkpoint-dir", str(dpsgd_run), "--out", str(csv), "--histogram", "none"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"jaxdp: error: no space left on the device writing '{csv}' (") and err.count("\n") == 1, err
 
 
 @pytest.mark.slow  # compiles the Theorem 3.3 accountant (~25 s); the plumbing test above covers the rest

@@ -384,7 +384,7 @@ GRID_SPEC = {
     "--delta": (("1e-5",), None),
 }
 PNSGD_SPEC = {
-    "--lipschitz": (("1.0",), lambda t: _in(t, 0.0, math.inf, lo_open=True)),
+    "--lipschitz": (("1.0",), lambda t: _in(t, 0.0, math.inf)),  # L = 0 is a valid bound (a constant loss)
     "--smoothness": (("0.5",), lambda t: _in(t, 0.0, math.inf, lo_open=True)),
     "--learning-rate": (("0.5",), lambda t: _in(t, 0.0, math.inf, lo_open=True)),
     "--noise-std": (("2.0",), lambda t: _in(t, 0.0, math.inf, lo_open=True)),

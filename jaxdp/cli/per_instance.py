@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-from ._common import data_error, error, fmt, integer, option_message
+from ._common import data_error, error, fmt, integer, option_message, report_disk_full
 
 
 class _Usage(ValueError):
@@ -179,7 +179,8 @@ def run(args) -> int:
     except _Usage as err:
         return error(str(err))
     except (ValueError, TypeError, FileNotFoundError) as err:
-        return error(option_message(str(err)))
+        status = report_disk_full(err)  # a full disk wrapped in another error: exit 1, not a usage error
+        return error(option_message(str(err))) if status is None else status
 
     n = len(res.estimate.epsilon)
     est, led = res.summary(), res.summary(res.ledger.epsilon)
@@ -220,7 +221,8 @@ def run(args) -> int:
         try:
             write(path)
         except OSError as exc:
-            print(f"jaxdp: error: {option} cannot write {path!r}: {exc.strerror or exc}", file=sys.stderr)
+            if report_disk_full(exc if exc.filename else OSError(exc.errno, exc.strerror, path)) is None:
+                print(f"jaxdp: error: {option} cannot write {path!r}: {exc.strerror or exc}", file=sys.stderr)
             status = 1
             continue
         if not args.json:
