@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .. import _validate
-from ._ghost import _discover, _fast
+from ._ghost import _diagnose, _discover, _fast, _warn_fallback
 from ._per_example import LossFn, PyTree, _check_batch, _vmap_clipped
 from ._per_example import clip_per_example_grads as clip_per_example_grads
 from ._per_example import per_example_grads as per_example_grads
@@ -73,9 +73,10 @@ def fast_path_supported(loss_fn: LossFn, model_or_params, batch) -> bool:
 
     That is: ``model_or_params`` is an NNX module all of whose ``nnx.Param`` variables are
     the parameters of ``nnx.Linear``, ``nnx.Conv`` (no kernel mask,
-    ``feature_group_count=1``) or ``nnx.Embed`` layers (exactly these classes, no tied
-    parameters), each layer is applied exactly once (``Embed.attend`` not used), to an input
-    whose leading axis is the batch, and ``loss_fn`` returns a ``(b,)`` vector.
+    ``feature_group_count=1``), ``nnx.Embed`` or :class:`jaxdp.models.LipschitzDense`
+    layers (exactly these classes, no tied parameters), each layer is applied exactly once
+    (``Embed.attend`` not used), to an input whose leading axis is the batch, and
+    ``loss_fn`` returns a ``(b,)`` vector. Unlike :func:`clipped_grad_sum`, it never warns.
     """
     if not isinstance(model_or_params, nnx.Module):
         return False
@@ -131,10 +132,12 @@ def clipped_grad_sum(loss_fn: LossFn, model_or_params, batch, clip_norm, *,
     respect to zero probes added to the layer outputs; :math:`S` is then formed per layer
     from the same inputs and :math:`c_i\delta`, one contraction per layer.
     It applies when every ``nnx.Param`` of the model belongs to an ``nnx.Linear``,
-    ``nnx.Conv`` (no mask, ``feature_group_count=1``) or ``nnx.Embed`` that is applied
-    exactly once to an input whose leading axis is the batch (checked at trace time, from
-    shapes only); otherwise (``nnx.LayerNorm``, shared or tied layers, ...) the general
-    ``vmap(grad)`` path runs.
+    ``nnx.Conv`` (no mask, ``feature_group_count=1``), ``nnx.Embed`` or
+    :class:`jaxdp.models.LipschitzDense` that is applied exactly once to an input whose
+    leading axis is the batch (checked at trace time, from shapes only); otherwise
+    (``nnx.LayerNorm``, shared or tied layers, ...) the general ``vmap(grad)`` path runs,
+    and with ``use_fast_path=None`` a ``UserWarning`` names the layer type it could not
+    handle (once per model type and reason).
 
     Assumptions (both paths): example ``i``'s loss depends on row ``i`` of the batch only
     (no batch statistics). Fast path only: the layers' inputs keep examples on the leading
@@ -149,8 +152,9 @@ def clipped_grad_sum(loss_fn: LossFn, model_or_params, batch, clip_norm, *,
         ``loss_fn(params, x, y)``).
       batch: ``(x, y)`` with a leading batch axis ``b``.
       clip_norm: :math:`C > 0`.
-      use_fast_path: ``None`` (default) picks automatically; ``False`` forces
-        ``vmap(grad)``; ``True`` raises ``ValueError`` if the fast path does not apply.
+      use_fast_path: ``None`` (default) picks automatically, warning when it falls back;
+        ``False`` forces ``vmap(grad)``; ``True`` raises ``ValueError`` (naming the layer)
+        if the fast path does not apply.
       mask: optional ``(b,)`` booleans (or 0/1 weights): rows with ``False`` are padding
         and contribute nothing to ``grad_sum`` (their norms are still returned). This is
         how a Poisson-sampled batch of random size runs in a padded batch of static shape.
@@ -197,8 +201,8 @@ def _dispatch(loss_fn, model_or_params, x, y, clip_norm, use_fast_path, mask=Non
 
 _NO_FAST_PATH = (
     "use_fast_path=True but the fast path does not apply: the model must be an NNX module "
-    "whose every nnx.Param belongs to an nnx.Linear, nnx.Conv (no mask, feature_group_count=1) "
-    "or nnx.Embed applied exactly once to an input with the batch on its leading axis, and "
+    "whose every nnx.Param belongs to an nnx.Linear, nnx.Conv (no mask, feature_group_count=1), "
+    "nnx.Embed or jaxdp.models.LipschitzDense applied exactly once to an input with the batch on its leading axis, and "
     "loss_fn must return a (batch,) vector of per-example losses."
 )
 
@@ -206,9 +210,11 @@ _NO_FAST_PATH = (
 @functools.partial(jax.jit, static_argnames=("loss_fn", "graphdef", "use_fast_path"))
 def _clipped_module(loss_fn, graphdef, params, rest, x, y, clip_norm, use_fast_path, mask=None):
     model = nnx.merge(graphdef, params, rest)
-    calls = None if use_fast_path is False else _discover(loss_fn, model, x, y)
+    calls, why = (None, None) if use_fast_path is False else _diagnose(loss_fn, model, x, y)
     if use_fast_path and calls is None:
-        raise ValueError(_NO_FAST_PATH)
+        raise ValueError(_NO_FAST_PATH + (f" Here: {why}." if why else ""))
+    if calls is None and why is not None:  # at trace time: once per compilation, deduplicated
+        _warn_fallback(model, why)
     if calls is not None:
         return ClippedGrads(*_fast(loss_fn, model, x, y, clip_norm, calls, mask))
     return ClippedGrads(*_vmap_clipped(loss_fn, model, x, y, clip_norm, mask))

@@ -38,17 +38,55 @@ The per-layer norms and sums from (a, δ) are in :mod:`jaxdp.training._ghost_nor
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
+import sys
+import warnings
+
+import flax
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..models import LipschitzDense
 from ._canonical_conv import _conv_with_canonical_vjp
 from ._ghost_norms import _layer_grad_sum, _layer_sq_norm
 from ._per_example import _masked, _safe_clip_factor
 
 
 # Exactly these classes: a subclass may use its parameters differently (weight norm, LoRA).
-_OWNED = {nnx.Linear: ("kernel", "bias"), nnx.Conv: ("kernel", "bias"), nnx.Embed: ("embedding",)}
+_OWNED = {nnx.Linear: ("kernel", "bias"), nnx.Conv: ("kernel", "bias"), nnx.Embed: ("embedding",),
+          LipschitzDense: ("kernel",)}
+
+# Prefix of the note a recorder adds to an exception raised inside its layer's call.
+_NOTE = "jaxdp fast path, in layer: "
+
+
+def _layer_name(m) -> str:
+    """``nnx.Linear`` for flax's layers, the class name for any other module."""
+    cls = type(m)
+    return f"nnx.{cls.__name__}" if cls.__module__.startswith("flax.") else cls.__name__
+
+
+def _describe(m, path) -> str:
+    where = "/".join(str(p) for p in path)
+    return f"{_layer_name(m)} at '{where}'" if where else f"{_layer_name(m)} (the model itself)"
+
+
+def _names_layer(call):
+    """Wrap a recorder's ``__call__`` so that an exception raised inside it names the layer."""
+
+    @functools.wraps(call)
+    def wrapped(self, *args, **kwargs):
+        try:
+            return call(self, *args, **kwargs)
+        except Exception as err:  # re-raised: only annotated
+            recorder = self if isinstance(self, _Recorder) else self._jaxdp_recorder
+            err.add_note(_NOTE + recorder.layer)
+            raise
+
+    return wrapped
 
 
 @jax.custom_jvp
@@ -76,12 +114,13 @@ class _Recorder:
 
     kind = "linear"
 
-    def __init__(self, original, registry: list, probes, params: dict, path: tuple = ()):
+    def __init__(self, original, registry: list, probes, params: dict, path: tuple = (), layer: str = ""):
         self.original = original
         self.registry = registry
         self.probes = probes
         self.params = params  # the layer's real (differentiable) parameter values
         self.path = path  # the layer's path in the model (keys of its parameters' State)
+        self.layer = layer  # the layer's type and path, for the messages
 
     def _finish(self, out, record):
         if "bias" in self.params:
@@ -97,6 +136,7 @@ class _Recorder:
 class _LinearRecorder(_Recorder):
     kind = "linear"
 
+    @_names_layer
     def __call__(self, lhs, rhs, dimension_numbers, *args, **kwargs):
         rhs = _live(rhs, self.params["kernel"])
         out = self.original(lhs, rhs, dimension_numbers, *args, **kwargs)
@@ -106,6 +146,7 @@ class _LinearRecorder(_Recorder):
 class _ConvRecorder(_Recorder):
     kind = "conv"
 
+    @_names_layer
     def __call__(self, lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
                  dimension_numbers=None, feature_group_count=1, batch_group_count=1, **kwargs):
         rhs = _live(rhs, self.params["kernel"])
@@ -130,6 +171,7 @@ class _ConvRecorder(_Recorder):
 class _RecordingEmbed(nnx.Embed):
     """nnx.Embed whose calls are recorded (set on the instrumented copy only)."""
 
+    @_names_layer
     def __call__(self, inputs, out_sharding=None):
         rec = self._jaxdp_recorder
         out = nnx.Embed.__call__(self, inputs, out_sharding)
@@ -140,8 +182,20 @@ class _RecordingEmbed(nnx.Embed):
         return rec._finish(out, {"inputs": inputs, "ids": ids, "vocab": self.num_embeddings})
 
     def attend(self, query, out_sharding=None):
-        self._jaxdp_recorder.registry.append({"recorder": None})  # a second use: unsupported
+        rec = self._jaxdp_recorder  # a second use of the table: unsupported
+        rec.registry.append({"recorder": None, "why": f"{rec.layer} is used through Embed.attend (tied weights)"})
         return nnx.Embed.attend(self, query, out_sharding)
+
+
+class _RecordingLipschitzDense(LipschitzDense):
+    """LipschitzDense whose ``x @ W`` is a recorded ``dot_general`` (set on the instrumented copy only)."""
+
+    def __call__(self, x):
+        x = jnp.asarray(x)
+        kernel = self.kernel[...]
+        dtype = jnp.result_type(x.dtype, kernel.dtype)  # as ``x @ W`` promotes
+        dims = (((x.ndim - 1,), (0,)), ((), ()))
+        return self._jaxdp_recorder(x.astype(dtype), kernel.astype(dtype), dims)
 
 
 def _normalised_ids(ids, vocab: int):
@@ -152,28 +206,37 @@ def _normalised_ids(ids, vocab: int):
     return jnp.where(ids < 0, ids + vocab, ids)
 
 
-def _owners(model: nnx.Module) -> dict | None:
-    """Map path -> supported layer, or None if some Param lives outside one (or is tied)."""
+def _owners(model: nnx.Module) -> tuple[dict | None, str | None]:
+    """``(path -> supported layer, None)``, or ``(None, why)`` if some Param lives outside one or is tied."""
     modules = dict(nnx.iter_modules(model))
     layers = {p: m for p, m in modules.items() if type(m) in _OWNED}
-    for m in layers.values():
-        if type(m) is nnx.Conv and (m.mask is not None or m.feature_group_count != 1):
-            return None  # a masked kernel's gradient is masked; grouped convs are not factored here
-    count = 0
+    for path, m in layers.items():
+        # A masked kernel's gradient is masked; grouped convolutions are not factored here.
+        if type(m) is nnx.Conv and m.mask is not None:
+            return None, f"{_describe(m, path)} with a kernel mask"
+        if type(m) is nnx.Conv and m.feature_group_count != 1:
+            return None, f"{_describe(m, path)} with feature_group_count={m.feature_group_count}"
     for path, value in nnx.iter_graph(model):
         if isinstance(value, nnx.Param):
-            count += 1
             owner, attr = tuple(path[:-1]), path[-1]
-            if owner not in layers or attr not in _OWNED[type(layers[owner])]:
-                return None
-    # iter_graph lists a shared Variable once: if two layers tie a parameter, the count is
-    # short, and the tied parameter's per-example gradient (a sum over both layers) has no
-    # factored norm here.
-    expected = sum(1 + (getattr(m, "bias", None) is not None) if type(m) is not nnx.Embed else 1
-                   for m in layers.values())
-    if count != expected:
-        return None
-    return layers or None
+            if owner not in layers:
+                holder = modules.get(owner, model)
+                return None, f"{_describe(holder, owner)}, which holds the parameter '{attr}'"
+            if attr not in _OWNED[type(layers[owner])]:
+                return None, f"{_describe(layers[owner], owner)} with an extra parameter '{attr}'"
+    # iter_graph lists a shared Variable once: a parameter tied between layers has a
+    # per-example gradient (a sum over both layers) whose norm is not factored here.
+    seen: dict = {}
+    for path, m in layers.items():
+        for attr in _OWNED[type(m)]:
+            var = getattr(m, attr, None)
+            if isinstance(var, nnx.Param):
+                if id(var) in seen:
+                    return None, f"{seen[id(var)]} and {_describe(m, path)}, which share a parameter (tied weights)"
+                seen[id(var)] = _describe(m, path)
+    if not layers:
+        return None, f"{_describe(model, ())}, which has no parameters"
+    return layers, None
 
 
 def _instrumented(graphdef, rest, registry):
@@ -189,46 +252,79 @@ def _instrumented(graphdef, rest, registry):
             for attr in _OWNED[kind]:
                 var = getattr(m, attr, None)
                 if isinstance(var, nnx.Param):
-                    real[attr] = var.value
-                    var.value = jax.lax.stop_gradient(var.value)
+                    real[attr] = var.get_value()
+                    var.set_value(jax.lax.stop_gradient(real[attr]))
             path = tuple(path)
+            layer = _describe(m, path)
             if kind is nnx.Linear:
-                m.dot_general = _LinearRecorder(m.dot_general, registry, probes, real, path)
+                m.dot_general = _LinearRecorder(m.dot_general, registry, probes, real, path, layer)
             elif kind is nnx.Conv:
-                m.conv_general_dilated = _ConvRecorder(m.conv_general_dilated, registry, probes, real, path)
-            else:
+                m.conv_general_dilated = _ConvRecorder(m.conv_general_dilated, registry, probes, real, path, layer)
+            elif kind is nnx.Embed:
                 m.__class__ = _RecordingEmbed
-                m._jaxdp_recorder = _Recorder(None, registry, probes, real, path)
+                m._jaxdp_recorder = _Recorder(None, registry, probes, real, path, layer)
+            else:
+                m.__class__ = _RecordingLipschitzDense
+                m._jaxdp_recorder = _LinearRecorder(jax.lax.dot_general, registry, probes, real, path, layer)
         return model
 
     return build
 
 
-def _record_supported(rec, b: int) -> bool:
-    """Shape checks of one recorded call (trace time)."""
+def _record_unsupported(rec, b: int) -> str | None:
+    """Shape checks of one recorded call (trace time): why the fast path cannot take it, or None."""
     recorder = rec["recorder"]
-    if recorder is None or len(rec["shape"]) < 1 or rec["shape"][0] != b:
-        return False
+    if recorder is None:
+        return rec["why"]
     inputs = rec["inputs"]
-    if inputs.ndim < 1 or inputs.shape[0] != b:
-        return False
+    if len(rec["shape"]) < 1 or rec["shape"][0] != b or inputs.ndim < 1 or inputs.shape[0] != b:
+        return f"{recorder.layer} applied to an input without the batch on its leading axis"
     if "ids" in rec:
-        return True
+        return None
     if "conv" in rec:
         c = rec["conv"]
-        return (c["groups"] == (1, 1) and c["dn"].lhs_spec[0] == 0 and c["dn"].out_spec[0] == 0
-                and all(v == 1 for v in c["lhs_dilation"]))
-    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = rec["dims"]
-    return (tuple(lhs_contract) == (inputs.ndim - 1,) and tuple(rhs_contract) == (0,)
-            and not tuple(lhs_batch) and not tuple(rhs_batch) and rec["kernel_ndim"] == 2
-            and len(rec["shape"]) == inputs.ndim)
-
-
-def _discover(loss_fn, model, x, y) -> list | None:
-    """Trace once (shapes only); return the probe shapes if the fast path applies."""
-    owners = _owners(model)
-    if owners is None:
+        if not (c["groups"] == (1, 1) and c["dn"].lhs_spec[0] == 0 and c["dn"].out_spec[0] == 0):
+            return f"{recorder.layer} with grouped convolutions or the batch off the leading axis"
+        if not all(v == 1 for v in c["lhs_dilation"]):
+            return f"{recorder.layer} with input dilation"
         return None
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = rec["dims"]
+    if not (inputs.ndim >= 2 and tuple(lhs_contract) == (inputs.ndim - 1,) and tuple(rhs_contract) == (0,)
+            and not tuple(lhs_batch) and not tuple(rhs_batch) and rec["kernel_ndim"] == 2
+            and len(rec["shape"]) == inputs.ndim):
+        return f"{recorder.layer} contracting other axes than the input's last with the kernel's first"
+    return None
+
+
+# Errors that tracing the instrumented copy may raise where the recorders do not fit the
+# model (a flax version whose layers call another function or signature; forward-mode
+# autodiff inside loss_fn through the recorded convolution's custom_vjp). They mean
+# "unsupported" only if the uninstrumented model traces; otherwise they are the caller's.
+_TRACE_ERRORS = (TypeError, ValueError, AttributeError, NotImplementedError)
+
+
+def _pulled_back(f):
+    """``f(p, x, y)`` whose backward pass with respect to ``p`` is traced too (as the fast path runs it)."""
+
+    def g(p, x, y):
+        out, pull = jax.vjp(lambda p: f(p, x, y), p)
+        pull(jnp.ones_like(out))
+        return out
+
+    return g
+
+
+def _diagnose(loss_fn, model, x, y) -> tuple[list | None, str | None]:
+    """Trace once, forward and backward (shapes only): ``(probe shapes, None)`` if the fast path applies, else ``(None, why)``.
+
+    ``why`` names the layer the fast path cannot handle, with its type. It is None where
+    the general path raises anyway (``loss_fn`` not returning a ``(b,)`` vector). An error
+    of ``loss_fn`` or the model itself (one that tracing without the instrumentation raises
+    too) is raised, not taken for "unsupported".
+    """
+    owners, why = _owners(model)
+    if owners is None:
+        return None, why
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     registry: list = []
     build = _instrumented(graphdef, rest, registry)
@@ -237,20 +333,73 @@ def _discover(loss_fn, model, x, y) -> list | None:
         registry.clear()
         return loss_fn(build(p, None), x, y)
 
+    failure = None
     try:
-        out = jax.eval_shape(run, params, x, y)
-    except Exception:  # any tracing problem means: use the general path
-        return None
+        out = jax.eval_shape(_pulled_back(run), params, x, y)
+    except _TRACE_ERRORS as err:
+        failure = err
+    if failure is not None:
+        # Outside the except block, so that the caller's own error is raised unchained.
+        jax.eval_shape(_pulled_back(lambda p, x, y: loss_fn(nnx.merge(graphdef, p, rest), x, y)), params, x, y)
+        notes = [n[len(_NOTE):] for n in getattr(failure, "__notes__", ()) if n.startswith(_NOTE)]
+        where = notes[-1] if notes else f"a layer of {_describe(model, ())}"
+        message = str(failure).strip().split("\n")[0][:200]
+        return None, f"{where}, whose instrumented call raised {type(failure).__name__}: {message}"
     b = x.shape[0]
     if out.shape != (b,):
-        return None
-    if not all(_record_supported(rec, b) for rec in registry):
-        return None
+        return None, None
+    for rec in registry:
+        why = _record_unsupported(rec, b)
+        if why is not None:
+            return None, why
     # Each layer must be applied exactly once: a shared layer's per-example gradient is a
     # sum over its calls, whose norm is not formed here.
-    if len(registry) != len(owners) or len({id(r["recorder"]) for r in registry}) != len(registry):
-        return None
-    return [(tuple(r["shape"]), r["dtype"]) for r in registry]
+    calls: dict = {}
+    for rec in registry:
+        calls.setdefault(rec["recorder"].path, []).append(rec["recorder"])
+    for path, m in owners.items():
+        n = len(calls.get(path, ()))
+        if n != 1:
+            how = "not applied by loss_fn through its usual call" if n == 0 else f"applied {n} times (shared)"
+            return None, f"{_describe(m, path)}, {how}"
+    if len(registry) != len(owners):  # a recorder outside the owned layers: cannot happen
+        return None, f"{_describe(model, ())}, whose layers were called {len(registry)} times for {len(owners)} layers"
+    return [(tuple(r["shape"]), r["dtype"]) for r in registry], None
+
+
+def _discover(loss_fn, model, x, y) -> list | None:
+    """The probe shapes if the fast path applies, else None (see :func:`_diagnose`)."""
+    return _diagnose(loss_fn, model, x, y)[0]
+
+
+_WARNED: set = set()  # (model type, reason) pairs already warned about
+
+
+def _warn_fallback(model, why: str) -> None:
+    """Warn once per model type and reason that the fast path is off for this model."""
+    key = (type(model), why)
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    warnings.warn(
+        f"clipped_grad_sum on {type(model).__name__}: the fast path cannot handle {why}; using the general "
+        "vmap(grad) path (the same clipped sum, slower, more memory). Pass use_fast_path=False to choose it "
+        "without this warning.", UserWarning, stacklevel=_caller_stacklevel())
+
+
+# Frames of these packages (and of the standard wrappers they call through) lie between the
+# caller and the warning: it is issued at trace time, deep inside jax.
+_LIBRARY_FILES = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, flax, sys.modules["jaxdp"]))
+_WRAPPER_FILES = (contextlib.__file__, functools.__file__)
+
+
+def _caller_stacklevel() -> int:
+    """``stacklevel`` for a warning from :func:`_warn_fallback` that points at the caller's own code."""
+    frame, level = sys._getframe(1), 1  # level 1: _warn_fallback itself
+    while frame is not None and (frame.f_code.co_filename.startswith(_LIBRARY_FILES)
+                                 or frame.f_code.co_filename in _WRAPPER_FILES):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 1
 
 
 def _fast(loss_fn, model, x, y, clip_norm, calls, mask=None) -> tuple:
