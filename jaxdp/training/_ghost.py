@@ -24,7 +24,11 @@ Layers are intercepted on a freshly merged copy of the model (the user's module 
 modified): nnx.Linear through its ``dot_general`` attribute, nnx.Conv through its
 ``conv_general_dilated`` attribute, nnx.Embed by giving the copy a subclass whose
 ``__call__`` records the ids (``attend``, a tied use of the table, marks the model
-unsupported).
+unsupported), jaxdp.models.LipschitzDense by a subclass whose ``x @ W`` is a recorded
+``dot_general``. Where a model cannot be handled, :func:`_diagnose` says which layer and
+why, and ``clipped_grad_sum`` warns once (per model type and reason) before it takes the
+general path: a flax version whose layers call something else turns the fast path off
+loudly, never silently.
 
 Safety by construction: the clipped sum is formed only from the intercepted calls' (a, δ),
 exactly the per-example gradients whose norms are measured, so a use of a parameter
