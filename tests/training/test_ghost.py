@@ -218,6 +218,7 @@ def test_unsupported_layer_warns_once_with_its_type_and_clips_right(fresh_warnin
     assert len(messages) == 1, messages
     assert "ScaleShift" in messages[0] and "_WithScaleShift" in messages[0], messages[0]
     assert issubclass(fresh_warnings[0].category, UserWarning)
+    assert fresh_warnings[0].filename == __file__  # the caller's line, not jax's internals
     # Choosing the general path explicitly is silent; demanding the fast one names the layer.
     _ghost._WARNED.clear()
     clipped_grad_sum(loss, model, (x, y), 0.5, use_fast_path=False)
