@@ -151,3 +151,24 @@ def test_shifted_interpolation_table():
     quoted(f"| 990 | {f(b[989], 4)} (strongly convex analysis) | {f(a[989], 4)} (shifted GDP) |", "docs/reference.md")
     b, a = before_after(**sc, passes=5)
     quoted(f"| 990 | {f(b[989], 4)} (iteration) | {f(a[989], 4)} |", "docs/reference.md")
+
+
+def test_pld_table():
+    # docs/pld.md's accuracy table: jaxdp's PLD and RDP columns (dp_accounting's is the peer's figure)
+    for q, sigma, steps, pld_digits, rdp_digits in ((256 / 60000, 1.1, 14063, 3, 4), (0.001, 0.8, 1000, 4, 3),
+                                                   (0.1, 2.0, 100, 5, None)):
+        pld = float(A.epsilon(A.dpsgd_event(q, sigma, steps), DELTA, accountant="pld"))
+        quoted(f"| {f(pld, pld_digits)} (", "docs/pld.md")
+        if rdp_digits:
+            quoted(f"| {f(float(A.dpsgd_epsilon(q, sigma, steps, DELTA)), rdp_digits)} |", "docs/pld.md")
+
+
+def test_per_instance_order_inflation_example():
+    # docs/per_instance.md: Theorem 3.3 against classical composition at q = 0.01, sigma = 1, alpha = 8, r = 1
+    classical = 1000 * float(A.sampled_gaussian_rdp([8.0], 0.01, 1.0)[0])
+    quoted(f"composition gives {f(classical, 3)}", "docs/per_instance.md")
+    r = np.ones((1, 1000))
+    ceil = A.per_instance_dpsgd_privacy([8.0], 0.01, 1.0, r, DELTA, order_rounding="ceil")
+    levels = A.per_instance_dpsgd_privacy([8.0], 0.01, 1.0, r, DELTA)
+    quoted(f"RDP of {f(float(np.asarray(ceil.rdp)[0, 0]), 1)} with the", "docs/per_instance.md")
+    quoted(f"{f(float(np.asarray(levels.rdp)[0, 0]), 1)} with the default levels", "docs/per_instance.md")
