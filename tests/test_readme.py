@@ -4,7 +4,7 @@ Every ```python block of README.md that is followed by a ```text block is run in
 process from an empty folder; its output must match the text block line by line, where
 ``…`` stands for any text (figures that vary with the noise drawn). Blocks that train a model
 duplicate examples 14-16 (which run in CI) and take tens of seconds: they are marked slow
-(``JAXDP_SLOW=1``).
+(``JAXDP_SLOW=1``). Section 6's command lines that quote their output in a comment run too.
 """
 
 import os
@@ -71,3 +71,23 @@ def test_readme_snippet_prints_what_it_says(section, code, expected, tmp_path):
                           cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr
     assert output_matches(expected, proc.stdout), f"{section}: README says\n{expected}\nprinted\n{proc.stdout}"
+
+
+def test_readme_command_lines_print_what_their_comments_say(tmp_path):
+    """Section 6's lines that end with ``# what it prints`` run and print it."""
+    section = README.read_text().split("## 6. The command line", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    checked = 0
+    for line in section.splitlines():
+        if not line.startswith("jaxdp ") or "  # " not in line or "[" in line:
+            continue
+        command, comment = line.split("  # ", 1)
+        if "=" not in comment and not any(ch.isdigit() for ch in comment):
+            continue
+        proc = subprocess.run([sys.executable, "-m", "jaxdp", *command.split()[1:]], capture_output=True,
+                              text=True, timeout=600, cwd=tmp_path,
+                              env={**os.environ, "PYTHONPATH": str(ROOT), "JAXDP_CACHE_DIR": "off"})
+        assert proc.returncode == 0, proc.stderr
+        expected = comment.strip().split()[-1]  # the figure the comment quotes
+        assert expected in proc.stdout, f"{command}: README says {comment!r}, printed\n{proc.stdout}"
+        checked += 1
+    assert checked == 2
