@@ -7,8 +7,8 @@ for features with ||x|| <= X (docs/lipschitz_constants.md derives them). Here: a
 model with the squared loss (targets ±1 for odd vs even digits) on the parameter ball of
 radius R = 1, where L = (R sqrt(X^2 + 1) + 1) sqrt(X^2 + 1) and beta = X^2 + 1.
 
-What you should see (full run, 20 passes, about 10 s on a 2-core CPU): test accuracy about
-80-83 %, reported under "hidden-state" with ε per record position 2.05 / 2.11 / 3.06
+What you should see (full run, 20 passes, 10-80 s on the shared 2-core CPU VM): test accuracy
+80-85 %, reported under "hidden-state" with ε per record position 1.89 / 1.94 / 2.83
 (best / median / worst, δ = 1e-5) against 11.5 under composition (η = 0.05, ν = 2,
 b = 64). The script asserts the analysis, that no gradient was clipped, every ε below
 composition, and the accuracy.

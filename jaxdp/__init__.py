@@ -9,6 +9,9 @@ Subpackages:
 
 ``training``, ``models`` and ``data`` import flax/optax/scikit-learn, so they (and ``audit``) load on
 first use (``jaxdp.training`` works as an attribute); the command line stays fast.
+
+Guides and derivations cited as ``docs/NAME.md`` in docstrings and in the command's output are
+installed with the package, as ``jaxdp/docs/NAME.md`` (start at ``jaxdp/docs/index.md``).
 """
 
 import importlib as _importlib

@@ -35,7 +35,7 @@ GLOSSARY = {
     # DP-SGD
     "optimizer", "algorithm", "capacity", "overflow", "mask",
     # randomness: the public order and the secret noise key
-    "key", "order_seed", "noise_seed", "seed",
+    "key", "order_seed", "noise_seed", "seed", "checkpoint_key",
     # PLD accounting: static grid options
     "grid_size", "tail_bound", "estimate",
     # empirical auditing (jaxdp.audit)
@@ -115,3 +115,16 @@ _LOCAL_NAMES = {
     "p_prime", "graphdef", "rest", "tx", "opt_state", "sample_key", "norms", "result",
     "devices", "mesh",  # data parallelism: where the batch is split (jax devices or a Mesh)
 }
+
+
+def test_readme_glossary_names_are_the_tests_names():
+    """Every name in the README's "Names and units" table is a glossary name here."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = text.split("## Names and units", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+    names = {n for row in rows for n in re.findall(r"`([a-z_0-9]+)`", row)}
+    assert len(names) > 40, names
+    assert names <= GLOSSARY, sorted(names - GLOSSARY)

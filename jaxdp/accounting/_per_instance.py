@@ -537,7 +537,7 @@ def per_instance_dpsgd_privacy(
         of a smaller one), so the result is an upper bound of the exact estimate; the
         table costs M + 1 evaluations per order level, the lookup about 50× less than an
         exact evaluation, which pays from about M/10 points on (M = 2^14: ε larger by
-        at most about 1e-3 relative on the benchmark's norms; see the benchmarks README).
+        at most about 1e-3 relative on the benchmark's norms; docs/per_instance.md).
         Gradients flow through q and the noise multiplier (from tables of the partials,
         computed only when differentiating), not through r (the rounding is piecewise
         constant).

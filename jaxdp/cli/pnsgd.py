@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
     p.add_argument("--lipschitz", type=float, required=True, help="L: bound on every per-record gradient norm")
     p.add_argument("--smoothness", type=float, required=True, help="beta > 0: smoothness of the loss")
     p.add_argument("--learning-rate", type=float, required=True,
-                   help="learning rate eta (the step-size rule is in the README's glossary)")
+                   help="learning rate eta, with 0 < eta <= 2/(beta + rho) (the step-size rule)")
     p.add_argument("--noise-std", type=float, required=True,
                    help="standard deviation of the Gaussian noise on the (averaged) gradient: an absolute scale, "
                         "not a noise multiplier")

@@ -53,10 +53,12 @@ def add_parser(sub) -> None:
                    help="passes over the data in the same order (default 10; 1 with --schedule random-stop)")
     p.add_argument("--batch-size", type=int, default=64, help="records per step (default 64)")
     p.add_argument("--learning-rate", type=float, default=1.0,
-                   help="learning rate eta; convex models need the step-size rule of the README (default 1)")
+                   help="learning rate eta; convex models need 0 < eta <= 2/(beta + rho) (default 1)")
     p.add_argument("--noise-multiplier", type=float, default=None,
-                   help="noise std over the replace-one sensitivity 2C/b of the averaged clipped gradient "
-                        "(default 1; Opacus's multiplier for the same noise is twice this)")
+                   help="noise std over the sensitivity of the noised gradient (default 1). pnsgd: relative to "
+                        "the replace-one sensitivity 2C/b of the averaged clipped gradient (Opacus's multiplier for "
+                        "the same noise is twice this); dpsgd: relative to the clip norm C on the clipped sum, as in "
+                        "Opacus and dp_accounting; dpsbcd: not used (--noise-temperature)")
     p.add_argument("--target-epsilon", type=float, default=None, metavar="EPSILON",
                    help="dpsgd: instead of --noise-multiplier, the smallest noise multiplier whose epsilon at --delta "
                         "is at most EPSILON for this run's q and steps (calibrate_noise_multiplier)")

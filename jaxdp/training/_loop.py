@@ -546,7 +546,7 @@ def train(
         whose sums are added by a ``psum``; the noise is drawn **once** for the global batch
         from the one replicated key (the same draw as on one device), so the guarantee and
         the ledger are unchanged and the result equals the one-device run up to float
-        rounding. Multi-host: README, "Multiple devices and hosts".
+        rounding. Multi-host: docs/training.md, "Multiple devices and hosts".
       noise_temperature: DP-SBCD only (required): :math:`o > 0`, shape ``(passes,)`` or
         ``(passes, n // b)``; the weight noise is :math:`N(0, 2η\,o\,I)`.
       contraction: DP-SBCD only (required): :math:`L_F > 0` of every block's gradient map,

@@ -370,7 +370,7 @@ def pnsgd(learning_rate, noise_multiplier, clip_norm, radius, key, batch_size: i
       key: JAX PRNG key (or int seed) for the noise; it is split every step.
       batch_size: :math:`b \ge 1`, the number of examples averaged into :math:`g`.
       smoothness: optional :math:`\beta > 0`; if given, a step outside the library's
-        step-size rule :math:`0 < \eta \le 2/\beta` (README, "Names and units") raises
+        step-size rule :math:`0 < \eta \le 2/\beta` (``jaxdp._validate``, the one rule) raises
         ``ValueError``.
 
     Returns:
