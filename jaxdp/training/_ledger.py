@@ -112,13 +112,22 @@ class PrivacyLedger(NamedTuple):
     max_grad_norm: float
     intermediates_released: bool
 
+    def public(self) -> dict[str, Any]:
+        """What a report, log, JSON or plot may show: every field but the secret ones.
+
+        With ``schedule="random_stop"`` the stopping time :math:`T` is secret, and so is
+        ``steps_done`` once the run is over (it equals :math:`T`): both are left out.
+        """
+        secret = ("total_steps", "steps_done") if self.schedule == "random_stop" else ()
+        return {k: v for k, v in self._asdict().items() if k not in secret}
+
     def to_json(self) -> dict[str, Any]:
-        """The ledger as a JSON-ready dict."""
-        return {k: v for k, v in self._asdict().items()}
+        """The public ledger as a JSON-ready dict (:meth:`public`; checkpoints store every field)."""
+        return self.public()
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> PrivacyLedger:
-        """Inverse of :meth:`to_json`."""
+        """The ledger from a dict of every field (as a checkpoint stores it, ``ledger._asdict()``)."""
         return cls(**{k: data[k] for k in cls._fields})
 
 
@@ -201,9 +210,11 @@ class PrivacyReport(NamedTuple):
         # (a headline of 4.6e5 or inf helps nobody).
         comp = np.asarray(self.composition, dtype=np.float64)
         hidden = []
+        reported = np.asarray(self.epsilon, dtype=np.float64)
         for name, values in self.by_analysis.items():
             v = np.asarray(values, dtype=np.float64)
-            if name not in ("best", "composition") and v.size and not np.any(v < comp):
+            if (name not in ("best", "composition") and v.size and not np.any(v < comp)
+                    and not np.array_equal(v, reported)):
                 hidden.append(name)
                 continue
             s = self.summary(values)
@@ -212,7 +223,9 @@ class PrivacyReport(NamedTuple):
         lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
                  for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        head = (f"epsilon per record position at delta={self.delta:g} after {self.steps_done} steps; "
+        head = (f"epsilon = {_fmt(self.summary()['worst'])} at delta = {self.delta:g} for every record (worst "
+                f"position), by {self.analysis}\n"
+                f"epsilon per record position at delta={self.delta:g} after {self.steps_done} steps; "
                 f"reported: {self.analysis}")
         if self.not_private:
             head = f"{NOT_PRIVATE}\n{head}"
@@ -467,9 +480,13 @@ class DPSGDLedger(NamedTuple):
 
     unused = 0  # every record can be sampled
 
-    def to_json(self) -> dict[str, Any]:
-        """The ledger as a JSON-ready dict."""
+    def public(self) -> dict[str, Any]:
+        """What a report, log, JSON or plot may show (every field: none is secret)."""
         return dict(self._asdict())
+
+    def to_json(self) -> dict[str, Any]:
+        """The public ledger as a JSON-ready dict (:meth:`public`)."""
+        return self.public()
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> DPSGDLedger:
@@ -567,9 +584,13 @@ class DPSBCDLedger(NamedTuple):
     fixed_noise_seed: bool
     max_grad_norm: float
 
-    def to_json(self) -> dict[str, Any]:
-        """The ledger as a JSON-ready dict."""
+    def public(self) -> dict[str, Any]:
+        """What a report, log, JSON or plot may show (every field: none is secret)."""
         return dict(self._asdict())
+
+    def to_json(self) -> dict[str, Any]:
+        """The public ledger as a JSON-ready dict (:meth:`public`)."""
+        return self.public()
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> DPSBCDLedger:

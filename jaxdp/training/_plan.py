@@ -42,6 +42,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import _validate
+from ._run import _check_features, _unpack_data
 from ._transforms import _schedule_rates
 
 __all__ = ["PrivacyPlan", "plan_privacy"]
@@ -217,8 +218,6 @@ def plan_privacy(
       >>> plan.analysis, plan.reason.split(":")[0]
       ('composition', 'MLP is not convex')
     """
-    from ._loop import _check_features, _unpack_data
-
     x, y, _, _, x_bound, _ = _unpack_data(data)
     x = np.asarray(x)
     _check_features(x)

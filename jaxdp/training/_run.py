@@ -1,0 +1,402 @@
+"""Pieces every training driver shares: the data, the batches, the secret key, checkpoints and resume.
+
+Nothing here knows an algorithm: :mod:`jaxdp.training._loop` (PNSGD), ``_dpsgd_loop``
+(DP-SGD) and ``_dpsbcd`` (DP-SBCD) build on these, and none of them imports another driver,
+so the package's imports form a tree (``tests/training/test_imports.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import secrets
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ..data import Dataset
+from ._checkpoint import Checkpointer, _index_dirs
+from ._ledger import PrivacyLedger, PrivacyReport, _clipping_reason, demote
+
+__all__ = ["TrainResult", "accuracy"]
+
+FORMAT = 3  # checkpoint format; 3: one driver for every mechanism (the mechanism named in the configuration)
+
+
+class TrainResult(NamedTuple):
+    """Result of :func:`~jaxdp.training.train`.
+
+    Attributes:
+      model: the trained model (final iterate only, a new module; the input is untouched).
+      state: the mechanism's final state (:class:`~jaxdp.training.PNSGDState`,
+        :class:`~jaxdp.training.DPSGDState` or :class:`~jaxdp.training.DPSBCDState`; it holds
+        the secret noise key: never log it). Through the deprecated keyword door, the
+        deprecated :class:`TrainState` with the ledger inside.
+      privacy: the final :class:`~jaxdp.training.PrivacyReport`, or ``None`` with
+        ``account=False`` (call ``privacy_report(result.ledger)`` later).
+      test_accuracy: accuracy on the data set's test part, or ``None`` when it has none.
+      intermediates: with ``return_intermediates=True``, the parameters after every step
+        done in this call (leaves with a leading step axis); otherwise ``None``.
+      history: ``(steps_done, {"best", "median", "worst"})`` where the progress bar showed ε,
+        and at the end (never a secret stopping step).
+      seconds: wall time of the training steps (compilation included, accounting excluded).
+      ledger: the final ledger (:class:`~jaxdp.training.PrivacyLedger`,
+        :class:`~jaxdp.training.DPSGDLedger` or :class:`~jaxdp.training.DPSBCDLedger`); its
+        ``public()`` is what a report, log or JSON may show.
+      mechanism: the mechanism as run: with ``target_epsilon``, the calibrated noise filled in.
+    """
+
+    model: nnx.Module
+    state: Any
+    privacy: PrivacyReport | None
+    test_accuracy: float | None
+    intermediates: Any
+    history: list
+    seconds: float
+    ledger: Any = None
+    mechanism: Any = None
+
+
+def accuracy(model: nnx.Module, x, y, *, batch_size: int = 4096) -> float:
+    """Classification accuracy: ``argmax`` of the logits, or ``logit > 0`` for one output.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from jaxdp.models import SoftmaxRegression
+      >>> accuracy(SoftmaxRegression(2, 3, rngs=nnx.Rngs(0)), jnp.ones((4, 2)), jnp.zeros(4, int))
+      1.0
+    """
+    x = np.asarray(x)
+    y = np.asarray(y)
+    if x.shape[0] == 0:
+        return float("nan")
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def predict(state, xb):
+        out = nnx.merge(graphdef, state)(xb)
+        return (out > 0).astype(jnp.int32) if out.ndim == 1 else jnp.argmax(out, axis=-1)
+
+    correct = 0
+    for s in range(0, x.shape[0], batch_size):
+        correct += int(np.sum(np.asarray(predict(state, x[s:s + batch_size])) == y[s:s + batch_size]))
+    return correct / x.shape[0]
+
+
+# ----------------------------------------------------------------------------------------
+# Set-up: data, model constants, validation
+# ----------------------------------------------------------------------------------------
+
+
+def _unpack_data(data):
+
+    if isinstance(data, Dataset):
+        return data.x_train, data.y_train, data.x_test, data.y_test, data.feature_norm_bound, data.name
+    try:
+        x, y = data
+    except (TypeError, ValueError):
+        raise ValueError("data must be a jaxdp.data.Dataset or a pair (x, y) of arrays.") from None
+    return x, y, None, None, None, "arrays"
+
+
+def _check_features(x: np.ndarray) -> None:
+    if x.ndim != 2:
+        raise ValueError(f"x must have shape (n, features); got {x.shape}.")
+    if np.issubdtype(x.dtype, np.floating):
+        bad = np.flatnonzero(~np.isfinite(x).all(axis=1))
+        if bad.size:
+            kind = "NaN" if np.isnan(x[bad[0]]).any() else "infinite"
+            raise ValueError(
+                f"x contains {kind} features in {bad.size} row(s) (first: row {bad[0]}); every batch "
+                "must be finite: remove or impute those rows before training."
+            )
+
+
+def _fingerprint(x: np.ndarray, y: np.ndarray) -> str:
+    h = hashlib.sha256()
+    for a in (x, y):
+        a = np.ascontiguousarray(a)
+        h.update(str((a.shape, a.dtype.str)).encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+class _Plan(NamedTuple):
+    n_total: int
+    records: int
+    full_batches: int
+    last_batch: int  # size of the partial batch, 0 if none
+    steps_per_pass: int
+
+
+def _plan(n_total: int, batch_size: int, drop_remainder: bool) -> _Plan:
+    full, rem = divmod(n_total, batch_size)
+    if full == 0:
+        raise ValueError(f"batch_size must be <= the number of training examples ({n_total}); got {batch_size}.")
+    if drop_remainder or rem == 0:
+        return _Plan(n_total, full * batch_size, full, 0, full)
+    return _Plan(n_total, n_total, full, rem, full + 1)
+
+
+def _segments(start: int, stop: int, plan: _Plan, steps_per_call: int):
+    """Deterministic segments ``(first_step, length, partial)`` covering ``[start, stop)``.
+
+    Boundaries are absolute (chunks of ``steps_per_call`` from each pass's start, the
+    partial batch alone), so a resumed run executes exactly the same jitted calls.
+    """
+    out = []
+    m = plan.steps_per_pass
+    s = start
+    while s < stop:
+        j = s % m
+        if j < plan.full_batches:
+            chunk_end = min((j // steps_per_call + 1) * steps_per_call, plan.full_batches)
+            length = min(chunk_end - j, stop - s)
+            out.append((s, length, False))
+        else:
+            length = 1
+            out.append((s, 1, True))
+        s += length
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# State <-> checkpoint arrays
+# ----------------------------------------------------------------------------------------
+
+
+def _secret_key(noise_seed: int | None) -> jax.Array:
+    """The key of the noise and the stopping time: OS entropy, or ``noise_seed`` (not private).
+
+    The entropy fills the whole key (64 bits for the default threefry key), so it cannot be
+    derived from anything the run prints or records.
+    """
+    if noise_seed is not None:
+        return jax.random.key(int(noise_seed))
+    like = jax.random.key_data(jax.random.key(0))
+    words = np.frombuffer(secrets.token_bytes(like.size * like.dtype.itemsize), dtype=like.dtype)
+    return jax.random.wrap_key_data(jnp.asarray(words.reshape(like.shape)))
+
+
+def _is_key(x) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _to_arrays(state) -> dict[str, np.ndarray]:
+    """A mechanism's state as the flat dict of arrays a checkpoint holds (keys as raw key data)."""
+    leaves = jax.tree.leaves(state)
+    return {f"leaf_{i:04d}": np.asarray(jax.random.key_data(v) if _is_key(v) else v)
+            for i, v in enumerate(leaves)}
+
+
+def _from_arrays(arrays: dict[str, np.ndarray], like):
+    leaves, treedef = jax.tree.flatten(like)
+    new = []
+    for i, ref in enumerate(leaves):
+        a = arrays[f"leaf_{i:04d}"]
+        if _is_key(ref):
+            new.append(jax.random.wrap_key_data(jnp.asarray(a), impl=jax.random.key_impl(ref)))
+        else:
+            new.append(jnp.asarray(a, dtype=ref.dtype))
+    return jax.tree.unflatten(treedef, new)
+
+
+def _like_arrays(state) -> dict[str, np.ndarray]:
+    out = {}
+    for i, v in enumerate(jax.tree.leaves(state)):
+        if _is_key(v):
+            v = jax.random.key_data(v)
+        out[f"leaf_{i:04d}"] = np.zeros(np.shape(v), np.asarray(v).dtype)
+    return out
+
+
+def _open_checkpoints(checkpoint_dir, resume: bool):
+    """A Checkpointer for ``checkpoint_dir`` (or None); a non-empty one needs ``resume``."""
+    if checkpoint_dir is None:
+        return None
+    ck = Checkpointer(checkpoint_dir)
+    if not resume and _index_dirs(ck.directory):
+        # No step in the message: with random stopping it is secret.
+        raise ValueError(
+            f"checkpoint_dir {str(checkpoint_dir)!r} already holds a checkpoint: pass "
+            "resume=True to continue that run, or use an empty directory."
+        )
+    return ck
+
+
+def _refuse(ckpt, checkpoint_dir, what: str):
+    ckpt.close()
+    return ValueError(f"the checkpoint in {str(checkpoint_dir)!r} {what}; refusing to resume from it.")
+
+
+def _check_format(ckpt, checkpoint_dir) -> None:
+    """Refuse, in one line, a checkpoint written in another format (before its arrays are read)."""
+    try:
+        old = (ckpt.metadata().get("config") or {}).get("format")
+    except FileNotFoundError:
+        return  # restore() says what is wrong
+    if old != FORMAT:
+        ckpt.close()
+        raise ValueError(
+            f"the checkpoint in {str(checkpoint_dir)!r} was written by an older jaxdp trainer (checkpoint format "
+            f"{old}, this version reads {FORMAT}); finish that run with the jaxdp release that started it, or "
+            "start again in an empty directory.")
+
+
+def _resume(ckpt, state, ledger, config: dict, checkpoint_dir):
+    """``(state, ledger)`` from the newest intact checkpoint, if any, the ledger recomputed.
+
+    A checkpoint of another format or configuration is refused. The stored ledger is not
+    trusted: the ledger is recomputed from this run's configuration (``ledger``, built from
+    the same arguments) and the restored step counter, stopping time and clipping counters,
+    and any disagreement with the stored one (e.g. an edited ``steps_done`` or noise
+    multiplier) is refused in one line. Newer directories that are not intact checkpoints
+    are skipped with a warning (:meth:`Checkpointer.restore`).
+    """
+    if ckpt is None or not _index_dirs(ckpt.directory):
+        return state, ledger
+    _check_format(ckpt, checkpoint_dir)
+    try:
+        arrays, meta = ckpt.restore(_like_arrays(state))
+    except FileNotFoundError as err:
+        ckpt.close()
+        raise ValueError(f"checkpoint_dir {str(checkpoint_dir)!r} holds no intact checkpoint to resume "
+                         f"({str(err).splitlines()[0]}).") from None
+    except ValueError as err:
+        ckpt.close()
+        raise ValueError(str(err).splitlines()[0]) from None
+    if meta.get("config") != config:
+        old = meta.get("config") or {}
+        diff = next((k for k in sorted(set(old) | set(config)) if old.get(k) != config.get(k)), "?")
+        ckpt.close()
+        raise ValueError(
+            f"the checkpoint in {str(checkpoint_dir)!r} comes from a different run configuration "
+            f"({diff}: checkpoint {old.get(diff)!r}, now {config.get(diff)!r}); resume it with the same "
+            "settings and data, or use another directory."
+        )
+    restored = _from_arrays(arrays, state)
+    try:
+        stored = type(ledger).from_json(meta["ledger"])
+    except (KeyError, TypeError):
+        raise _refuse(ckpt, checkpoint_dir, "has no readable privacy ledger") from None
+    expected = _expected_ledger(ledger, restored, stored)
+    if expected is None or meta.get("_step") != int(restored.step):
+        raise _refuse(ckpt, checkpoint_dir, "has an impossible step counter or stopping time")
+    # A checkpoint of a fixed-seed (not private) run stays not private; a private run resumed
+    # with a fixed seed becomes not private: the flag may only go up.
+    if stored != expected._replace(fixed_noise_seed=stored.fixed_noise_seed):
+        field = next(f for f in stored._fields if getattr(stored, f) != getattr(expected, f))
+        # The values are not printed: steps_done and total_steps are secret with random stopping.
+        raise _refuse(ckpt, checkpoint_dir, f"has a privacy ledger that disagrees with its configuration and step "
+                                            f"counter (field {field})")
+    return restored, expected
+
+
+def _expected_ledger(initial, restored, stored):
+    """The ledger a run of this configuration has after ``restored.step`` steps, or None if impossible."""
+    step = int(restored.step)
+    total = int(getattr(restored, "total_steps", initial.total_steps))
+    schedule = getattr(initial, "schedule", "fixed")
+    if schedule == "random_stop":
+        if not 1 <= total <= initial.steps_per_pass:
+            return None
+    elif total != initial.total_steps:
+        return None
+    if not 0 <= step <= total:
+        return None
+    led = initial._replace(steps_done=step, total_steps=total, max_grad_norm=float(restored.max_grad_norm),
+                           fixed_noise_seed=bool(initial.fixed_noise_seed or stored.fixed_noise_seed))
+    if isinstance(initial, PrivacyLedger):
+        led = led._replace(clipped=int(restored.clipped))
+        if led.clipped > 0:
+            # demote keeps the reason of the first clipping, whose counts are not recorded.
+            led = demote(led, stored.reason if stored.analysis == "composition" else _clipping_reason(led))
+    return led
+
+
+def _short(analysis: str) -> str:
+    return {"hidden-state": "hidden", "random-stop": "stop", "composition": "comp"}.get(analysis, analysis)
+
+
+class Run(NamedTuple):
+    """A mechanism set up on a model and data: everything the driver needs, and nothing it must know.
+
+    Attributes:
+      name: the progress bar's label.
+      mechanism: the mechanism actually run (the calibrated noise filled in).
+      state: the mechanism's initial state (a NamedTuple of arrays; all of it is checkpointed).
+      ledger: the initial ledger (host-side facts; checkpointed in the metadata, recomputed on resume).
+      config: the JSON configuration a resumed checkpoint must match.
+      steps_per_pass: steps of one pass.
+      progress_total: the steps the progress bar counts (public: one pass for random stopping).
+      segments: ``segments(start) -> [(first_step, length, partial)]``, the jitted calls from
+        step ``start`` to the end (the same calls whatever the resume point).
+      run: ``run(state, first_step, length, partial) -> (state, intermediates or None)``.
+      after: ``after(ledger, state) -> ledger`` once a segment is done.
+      model: ``model(state) -> nnx.Module`` the released model.
+      pdtype: the parameters' dtype (the test set is cast to it).
+      report_at: ``report_at(steps_done) -> bool``: whether the progress bar shows ε there.
+      final_index: ``final_index(ckpt) -> int | None``: the save index of the last checkpoint
+        (random stopping: a public one; ``None``: the next counter).
+      keep_every_checkpoint: keep every checkpoint and the initial model (DP-SGD's per-instance
+        accounting reads them all); otherwise the newest two.
+    """
+
+    name: str
+    mechanism: Any
+    state: Any
+    ledger: Any
+    config: dict
+    steps_per_pass: int
+    progress_total: int
+    segments: Any
+    run: Any
+    after: Any
+    model: Any
+    pdtype: Any
+    report_at: Any
+    final_index: Any = None
+    keep_every_checkpoint: bool = False
+
+
+def calibrate_to_target(worst, target: float, start: float, name: str) -> float:
+    """The smallest noise level (to 0.2%) whose reported worst-record ε is at most ``target``.
+
+    ``worst(noise) -> float`` is the run's reported ε at the end, non-increasing in the
+    noise (every analysis used falls as the noise grows). Bisection on the log of the noise;
+    the returned level is always one whose ε was computed and found ``<= target`` (the
+    upper end of the bracket), so the run reports at most the target, and at least
+    ``0.98 * target`` wherever ε is continuous in the noise.
+    """
+    lo, hi = start, start
+    while worst(hi) > target:
+        lo, hi = hi, hi * 4.0
+        if hi > 1e12:
+            raise ValueError(f"target_epsilon={target:g} is not reachable with {name} up to 1e12.")
+    if lo == hi:
+        while worst(lo) <= target:
+            lo, hi = lo / 4.0, lo
+            if lo < 1e-12:
+                return hi
+    while hi / lo > 1.002:
+        mid = math.sqrt(lo * hi)
+        if worst(mid) <= target:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def param_dtype(params):
+    """The one floating dtype of a model's parameters (training keeps it)."""
+    leaves = jax.tree.leaves(params)
+    if not leaves:
+        raise ValueError("model has no nnx.Param to train.")
+    pdtype = jnp.result_type(*leaves)
+    if not jnp.issubdtype(pdtype, jnp.floating):
+        raise ValueError(f"model parameters must be floating point; got {pdtype}.")
+    return pdtype
