@@ -38,6 +38,7 @@ import numpy as np
 
 from .. import _validate
 from .._numerics import f64, float64
+from .._pytree import register_dataclass
 from ._contraction import (
     pnsgd_contraction_delta,
     step_contraction,
@@ -195,7 +196,9 @@ def _event(data: tuple[str, ...], meta: tuple[str, ...]):
 
     def wrap(cls):
         cls = dataclasses.dataclass(frozen=True, eq=False)(cls)
-        return jax.tree_util.register_dataclass(cls, data_fields=list(data), meta_fields=list(meta))
+        # Not jax.tree_util.register_dataclass: its structures of Gaussian and Laplace compare
+        # equal, so a compiled program of one could run on the other (see jaxdp/_pytree.py).
+        return register_dataclass(cls, data, meta)
 
     return wrap
 

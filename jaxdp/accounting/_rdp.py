@@ -16,7 +16,7 @@ import numpy as np
 from scipy import special as _sp
 
 from .. import _validate
-from .._numerics import crvz_weights, f64, float64, log_expm1, log_ndtr, signed_logsumexp, take
+from .._numerics import crvz_weights, f64, float64, log_expm1, log_ndtr, read_only, signed_logsumexp, take
 
 __all__ = ["DEFAULT_ORDERS", "gaussian_rdp", "sampled_gaussian_rdp", "heterogeneous_rdp"]
 
@@ -181,7 +181,7 @@ def _plan(orders_key: tuple[float, ...]) -> _Plan:
             n_i=n_i,
         )
     max_int = int(max((g.alpha.max() for g in groups), default=0))
-    return _Plan(len(orders), tuple(groups), frac, max_int)
+    return read_only(_Plan(len(orders), tuple(groups), frac, max_int))  # cached: shared by later calls
 
 
 def _log_am1_integer(g: _IntGroup, log_q, log_1mq, log_expm1_k):

@@ -141,7 +141,7 @@ def option_message(msg: str) -> str:
 _KNOWN = {"q", "delta", "epsilon", "orders", "passes", "radius", "diameter", "lipschitz", "smoothness", "schedule"}
 
 
-def error(msg: str) -> int:
-    """Print a one-line ``jaxdp: error: ...`` and return the usage exit status."""
+def error(msg: str, status: int = EXIT_USAGE) -> int:
+    """Print a one-line ``jaxdp: error: ...`` and return ``status`` (default: the usage exit status)."""
     print(f"jaxdp: error: {msg}", file=sys.stderr)
-    return EXIT_USAGE
+    return status

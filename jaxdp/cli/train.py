@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 import warnings
@@ -226,6 +227,8 @@ def run(args) -> int:
         total = time.perf_counter() - start
     except (ValueError, TypeError) as err:
         return error(_cli_message(str(err)))
+    except FloatingPointError as err:  # TrainingDivergedError: a broken model gets no report
+        return error(_cli_message(str(err)), status=1)
 
     rep, led = res.privacy, res.state.ledger
     worst = rep.summary()["worst"]
@@ -233,7 +236,7 @@ def run(args) -> int:
     payload = {
         "private": not led.fixed_noise_seed, "epsilon_worst": worst, "delta": rep.delta, "analysis": rep.analysis,
         "reason": rep.reason, "dataset": ds.name, "model": args.model, "algorithm": args.algorithm,
-        "test_accuracy": res.test_accuracy, "epsilon": rep.summary(), "ledger": led.to_json(),
+        "test_accuracy": res.test_accuracy, "epsilon": rep.summary(), "ledger": led.public(),
         "train_seconds": res.seconds, "total_seconds": total,
     }
     if args.algorithm == "dpsgd":
@@ -246,11 +249,14 @@ def run(args) -> int:
         payload["by_analysis"] = {name: rep.summary(v) for name, v in rep.by_analysis.items()}
         payload["amplified"] = rep.summary(rep.amplified) if rep.amplified is not None else None
         payload["composition"] = rep.summary(rep.composition)
-        if led.schedule == "random_stop":
-            payload["ledger"].pop("total_steps")  # the stopping time stays secret
-            payload["ledger"].pop("steps_done")
         lines = _pnsgd_lines(ds, args, res, rep, led, total)
     payload["plot"] = plot
+    if args.checkpoint_dir is not None:
+        signed = bool(os.environ.get("JAXDP_CHECKPOINT_KEY"))
+        payload["checkpoints_authenticated"] = signed
+        lines.append(f"checkpoints in {args.checkpoint_dir}: " + (
+            "signed with $JAXDP_CHECKPOINT_KEY (HMAC-SHA-256)" if signed else
+            "unauthenticated (set JAXDP_CHECKPOINT_KEY to sign them, so that an edited checkpoint is refused)"))
     title = (f"PNSGD, {args.model} on {ds.name}: {led.passes} pass(es), b={led.batch_size}, "
              f"eta={led.learning_rate:g}, nu={led.noise_multiplier:g}; accuracy {res.test_accuracy:.3f}"
              if args.algorithm == "pnsgd" else

@@ -60,6 +60,7 @@ from ._plan import PrivacyPlan as PrivacyPlan
 from ._plan import plan_privacy as plan_privacy
 from ._pnsgd import PNSGDMechanism as PNSGDMechanism
 from ._pnsgd import PNSGDState as PNSGDState
+from ._run import TrainingDivergedError as TrainingDivergedError
 from ._run import TrainResult as TrainResult
 from ._run import accuracy as accuracy
 
@@ -76,6 +77,7 @@ __all__ += [
     "RunOptions",
     "TrainResult",
     "TrainState",
+    "TrainingDivergedError",
     "accuracy",
     "latest_checkpoint_step",
     "plan_privacy",

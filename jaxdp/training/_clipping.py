@@ -77,11 +77,13 @@ def _safe_clip_factor(sq_norms: jax.Array, clip_norm) -> tuple[jax.Array, jax.Ar
     infinite there, and JAX differentiates both branches of a ``where``. So the unused
     branch is fed a harmless 1 before the operation that could blow up.
     """
-    positive = sq_norms > 0
+    # Written as ~(x <= y) so that a NaN norm stays NaN and counts as above C: a NaN
+    # gradient must fail the run-time check "no gradient exceeded C", never pass it as 0.
+    positive = ~(sq_norms <= 0)
     safe_sq = jnp.where(positive, sq_norms, jnp.ones_like(sq_norms))
     norms = jnp.where(positive, jnp.sqrt(safe_sq), jnp.zeros_like(sq_norms))
     clip_norm = jnp.asarray(clip_norm, dtype=norms.dtype)
-    over = norms > clip_norm
+    over = ~(norms <= clip_norm)
     safe_norms = jnp.where(over, norms, jnp.ones_like(norms))
     factor = jnp.where(over, clip_norm / safe_norms, jnp.ones_like(norms))
     return norms, factor

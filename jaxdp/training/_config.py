@@ -115,7 +115,10 @@ class RunOptions:
       resume: continue from the newest intact checkpoint in ``checkpoint_dir`` (same mechanism,
         model and data; the stored ledger is recomputed and any disagreement refused). Without
         it a non-empty ``checkpoint_dir`` is an error, so no run silently restarts and spends
-        its budget twice.
+        its budget twice. The folder is locked while a run holds it.
+      checkpoint_key: a secret (str or bytes, >= 16 characters; default
+        ``$JAXDP_CHECKPOINT_KEY``) that signs every checkpoint with HMAC-SHA-256; a resumed run
+        then refuses checkpoints without a valid signature. Never shown in the options' repr.
       progress: a tqdm bar with ε as training goes, and the final report printed.
       account: compute the final :class:`~jaxdp.training.PrivacyReport`.
       callback: ``callback(state, ledger)`` after every jitted call (and checkpoint); ``state``
@@ -138,6 +141,7 @@ class RunOptions:
     checkpoint_dir: Any = None
     checkpoint_every: int | None = None
     resume: bool = False
+    checkpoint_key: Any = dataclasses.field(default=None, repr=False)
     progress: bool = True
     account: bool = True
     callback: Any = None

@@ -175,7 +175,7 @@ def _make_segment(num_layers, batch_size, steps_per_pass, rhos, power_iterations
             else:
                 grad, norms = _clipped_mean_grad(xb[d], xb[d] @ w - yb, clip_norm, 1.0)
             maxn = jnp.maximum(maxn, jnp.max(norms).astype(maxn.dtype))
-            clipped = clipped + jnp.sum(norms > clip_norm).astype(clipped.dtype)
+            clipped = clipped + jnp.sum(~(norms <= clip_norm)).astype(clipped.dtype)  # NaN counts as above C
             noise = jax.random.normal(noise_keys[d], w.shape, w.dtype)
             w = w - learning_rate * grad + jnp.sqrt(2.0 * learning_rate * temp).astype(w.dtype) * noise
             kernels[d] = weight_decay_prox(w, learning_rate, weight_decay)
@@ -407,5 +407,5 @@ def setup(mech: DPSBCDMechanism, model, x, y, x_bound, *, delta, order_seed, sec
         return trained
 
     return Run(name="DP-SBCD", mechanism=mech, state=state, ledger=ledger, config=config, steps_per_pass=m,
-               progress_total=passes * m, segments=lambda start, stop: _segments(start, stop, plan, steps_per_call),
+               public_total=passes * m, segments=lambda start, stop: _segments(start, stop, plan, steps_per_call),
                run=run, after=after, model=released, pdtype=pdtype, report_at=lambda s: s % m == 0)

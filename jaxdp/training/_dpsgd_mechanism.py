@@ -202,7 +202,7 @@ def setup(mech: DPSGDMechanism, model, x, y, x_bound, *, delta, order_seed, secr
         return led._replace(steps_done=int(st.step), max_grad_norm=float(st.max_grad_norm))
 
     return Run(name="DP-SGD", mechanism=mech, state=state, ledger=ledger, config=config,
-               steps_per_pass=steps_per_pass, progress_total=total, segments=segments, run=run, after=after,
+               steps_per_pass=steps_per_pass, public_total=total, segments=segments, run=run, after=after,
                model=lambda st: nnx.merge(graphdef, st.params, rest), pdtype=pdtype,
                report_at=lambda s: s % steps_per_pass == 0, keep_every_checkpoint=True)
 

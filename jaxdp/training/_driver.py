@@ -32,6 +32,8 @@ from ._pnsgd import PNSGDMechanism
 from ._run import (
     TrainResult,
     _check_features,
+    _check_finite,
+    _check_labels,
     _fingerprint,
     _open_checkpoints,
     _resume,
@@ -145,6 +147,7 @@ def _train(model, data, mechanism, delta, order_seed, noise_seed, options: RunOp
     _check_features(x)
     if y.shape != (x.shape[0],):
         raise ValueError(f"y must have shape ({x.shape[0]},), one label per example; got {y.shape}.")
+    _check_labels(y, model, x, getattr(mechanism, "loss_fn", None), getattr(data, "num_classes", None))
     fingerprint = _fingerprint(x, y)
     if mesh is not None:
         _check_same_data(fingerprint)
@@ -158,20 +161,22 @@ def _train(model, data, mechanism, delta, order_seed, noise_seed, options: RunOp
     run = setup(mechanism, model, x, y, x_bound, delta=delta, order_seed=order_seed, secret=secret,
                 fixed_seed=noise_seed is not None, mesh=mesh, options=options)
     config = {**run.config, "data": fingerprint}
-    ckpt = _open_checkpoints(options.checkpoint_dir, options.resume)
+    ckpt = _open_checkpoints(options.checkpoint_dir, options.resume, options.checkpoint_key)
     if ckpt is not None and run.keep_every_checkpoint:
         ckpt.max_to_keep = None  # every checkpoint stays: per-instance accounting reads them all
-    state, ledger = _resume(ckpt, run.state, run.ledger, config, options.checkpoint_dir)
+    state, ledger, start = _resume(ckpt, run.state, run.ledger, config, options.checkpoint_dir)
     if mesh is not None:  # data parallel: the state replicated (the mechanism replicated the data)
         state = replicate(state, mesh)
 
     # ---------------- run ----------------
-    start = int(state.step)
-    total = int(getattr(state, "total_steps", ledger.total_steps))
+    # Positions are public: with random stopping the loop runs the whole pass (the steps after
+    # the secret stopping time are masked), so segments, progress, history and checkpoint
+    # times are the same whatever the stopping time.
+    total = run.public_total
     every = options.checkpoint_every or run.steps_per_pass
     pbar = None
     if options.progress:
-        pbar = tqdm(total=run.progress_total, initial=start, desc=run.name, unit="step", leave=True)
+        pbar = tqdm(total=total, initial=start, desc=run.name, unit="step", leave=True)
     history: list = []
     inter: list = []
     last_saved, last_report = start, -math.inf
@@ -185,24 +190,23 @@ def _train(model, data, mechanism, delta, order_seed, noise_seed, options: RunOp
             state, ys = run.run(state, first, length, partial)
             if ys is not None:
                 inter.append(jax.device_get(ys))
+            position = first + length
+            _check_finite(state[0], state.max_grad_norm, run.name)  # the parameters are every state's first field
             ledger = run.after(ledger, state)
-            steps_done = ledger.steps_done
-            done = steps_done >= total
-            if ckpt is not None and (done or steps_done - last_saved >= every):
-                meta = {"ledger": ledger._asdict(), "config": config}
-                index = run.final_index(ckpt) if (done and run.final_index is not None) else None
-                if index is not None:
-                    ckpt.save_train(steps_done, _to_arrays(state), meta, only=True, index=index)
-                else:
-                    ckpt.save_train(steps_done, _to_arrays(state), meta)
-                last_saved = steps_done
+            done = position >= total
+            if ckpt is not None and (done or position - last_saved >= every):
+                # The public position goes into the (secret-holding) checkpoint: a resumed
+                # random-stop run continues the pass from there.
+                meta = {"ledger": ledger._asdict(), "config": config, "position": position}
+                ckpt.save_train(ledger.steps_done, _to_arrays(state), meta)
+                last_saved = position
             if pbar is not None:
                 pbar.update(length)
-                if options.account and run.report_at(steps_done) and (done or time.perf_counter() - last_report > 0.5):
+                if options.account and run.report_at(position) and (done or time.perf_counter() - last_report > 0.5):
                     ta = time.perf_counter()
                     summ = privacy_report(ledger).summary()
                     t_acct += time.perf_counter() - ta
-                    history.append((steps_done, summ))
+                    history.append((position, summ))
                     pbar.set_postfix_str(f"eps[{_short(ledger.analysis)}] best {summ['best']:.3g} med "
                                          f"{summ['median']:.3g} worst {summ['worst']:.3g}")
                     last_report = time.perf_counter()
@@ -219,9 +223,8 @@ def _train(model, data, mechanism, delta, order_seed, noise_seed, options: RunOp
     intermediates = jax.tree.map(lambda *a: np.concatenate(a, axis=0), *inter) if inter else None
     trained = run.model(state)
     report = privacy_report(ledger) if options.account else None
-    public = ledger.public()
-    if report is not None and "steps_done" in public and (not history or history[-1][0] != ledger.steps_done):
-        history.append((ledger.steps_done, report.summary()))
+    if report is not None and (not history or history[-1][0] != total):
+        history.append((total, report.summary()))  # the public position: the end of the run
     if options.progress and report is not None:
         print(report.table())
     test_acc = None

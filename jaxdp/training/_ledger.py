@@ -115,20 +115,24 @@ class PrivacyLedger(NamedTuple):
     def public(self) -> dict[str, Any]:
         """What a report, log, JSON or plot may show: every field but the secret ones.
 
-        With ``schedule="random_stop"`` the stopping time :math:`T` is secret, and so is
-        ``steps_done`` once the run is over (it equals :math:`T`): both are left out.
+        With ``schedule="random_stop"`` the number of steps is secret, and so is what depends on
+        it (the step counters, the clipping count and the largest gradient norm seen): they
+        are left out.
         """
-        secret = ("total_steps", "steps_done") if self.schedule == "random_stop" else ()
+        secret = _SECRET_WITH_RANDOM_STOP if self.schedule == "random_stop" else ()
         return {k: v for k, v in self._asdict().items() if k not in secret}
 
     def to_json(self) -> dict[str, Any]:
-        """The public ledger as a JSON-ready dict (:meth:`public`; checkpoints store every field)."""
+        """The public ledger as a JSON-ready dict (:meth:`public`; checkpoints store ``_asdict()``)."""
         return self.public()
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> PrivacyLedger:
         """The ledger from a dict of every field (as a checkpoint stores it, ``ledger._asdict()``)."""
         return cls(**{k: data[k] for k in cls._fields})
+
+
+_SECRET_WITH_RANDOM_STOP = ("total_steps", "steps_done", "clipped", "max_grad_norm")
 
 
 def demote(ledger: PrivacyLedger, reason: str) -> PrivacyLedger:
@@ -139,6 +143,12 @@ def demote(ledger: PrivacyLedger, reason: str) -> PrivacyLedger:
 
 
 def _clipping_reason(ledger: PrivacyLedger) -> str | None:
+    if ledger.clipped > 0 and getattr(ledger, "schedule", "fixed") == "random_stop":
+        # The count and the largest norm depend on the secret stopping time: not shown.
+        return (
+            f"a per-example gradient exceeded the clip norm C={ledger.clip_norm:g}: a clipped gradient is not "
+            "the gradient of the convex loss, so the update is not known to be a contraction"
+        )
     if ledger.clipped > 0:
         return (
             f"{ledger.clipped} per-example gradient(s) exceeded the clip norm C={ledger.clip_norm:g} "
@@ -156,7 +166,8 @@ class PrivacyReport(NamedTuple):
         ``"composition"``).
       reason: why this analysis.
       delta: the δ of every ε.
-      steps_done: steps accounted for.
+      steps_done: steps accounted for; ``None`` for random stopping, whose number of steps
+        is secret (the guarantee covers the randomly stopped pass whatever it was).
       positions: int array ``1..n``.
       epsilon: the reported ε per position (the best valid bound for ``analysis``).
       composition: ε per position if every iterate were released (always valid).
@@ -176,7 +187,7 @@ class PrivacyReport(NamedTuple):
     analysis: str
     reason: str
     delta: float
-    steps_done: int
+    steps_done: int | None
     positions: np.ndarray
     epsilon: np.ndarray
     composition: np.ndarray
@@ -223,10 +234,11 @@ class PrivacyReport(NamedTuple):
         lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
                  for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
+        run = ("of one pass stopped at a secret uniform step" if self.steps_done is None
+               else f"after {self.steps_done} steps")
         head = (f"epsilon = {_fmt(self.summary()['worst'])} at delta = {self.delta:g} for every record (worst "
                 f"position), by {self.analysis}\n"
-                f"epsilon per record position at delta={self.delta:g} after {self.steps_done} steps; "
-                f"reported: {self.analysis}")
+                f"epsilon per record position at delta={self.delta:g} {run}; reported: {self.analysis}")
         if self.not_private:
             head = f"{NOT_PRIVATE}\n{head}"
         tail = [f"reason: {self.reason}"]
@@ -392,7 +404,8 @@ def _report(ledger: PrivacyLedger) -> PrivacyReport:
             amp = np.minimum(np.minimum(*by.values()), comp)
             by.update({"composition": comp, "best": amp})
         eps = amp if amp is not None else comp
-        return PrivacyReport(ledger.analysis, ledger.reason, ledger.delta, s, positions, eps, comp,
+        # No step count: the stopping time is secret, and the guarantee does not depend on it.
+        return PrivacyReport(ledger.analysis, ledger.reason, ledger.delta, None, positions, eps, comp,
                              amp, by, ledger.unused, exact)
     p, t = divmod(s, m)
     if s == 0:
@@ -481,7 +494,7 @@ class DPSGDLedger(NamedTuple):
     unused = 0  # every record can be sampled
 
     def public(self) -> dict[str, Any]:
-        """What a report, log, JSON or plot may show (every field: none is secret)."""
+        """What a report, JSON, log or plot may show (everything: this run has no secret count)."""
         return dict(self._asdict())
 
     def to_json(self) -> dict[str, Any]:
@@ -585,7 +598,7 @@ class DPSBCDLedger(NamedTuple):
     max_grad_norm: float
 
     def public(self) -> dict[str, Any]:
-        """What a report, log, JSON or plot may show (every field: none is secret)."""
+        """What a report, JSON, log or plot may show (everything: this run has no secret count)."""
         return dict(self._asdict())
 
     def to_json(self) -> dict[str, Any]:

@@ -25,8 +25,8 @@ from ._pnsgd import PNSGDMechanism
 __all__ = ["DEPRECATIONS", "TrainState"]
 
 _MECHANISMS = {"pnsgd": PNSGDMechanism, "dpsgd": DPSGDMechanism, "dpsbcd": DPSBCDMechanism}
-_RUN_OPTIONS = ("steps_per_call", "checkpoint_dir", "checkpoint_every", "resume", "progress", "account", "callback",
-                "devices")
+_RUN_OPTIONS = ("steps_per_call", "checkpoint_dir", "checkpoint_every", "resume", "checkpoint_key", "progress",
+                "account", "callback", "devices")
 # Every keyword of the old train(...) with its default there (a default given to a mechanism
 # without that field was ignored by the old door and is dropped here; any other value is refused).
 _OLD_DEFAULTS = {

@@ -48,7 +48,6 @@ from ._config import (
 from ._ledger import PrivacyLedger, _clipping_reason, demote, privacy_report
 from ._parallel import parallel_clipped_grad_sum, replicate
 from ._plan import _is_schedule, _plan_privacy, rate_config
-from ._checkpoint import _index_dirs
 from ._run import FORMAT, Run, _plan, _segments, calibrate_to_target, param_dtype
 from ._transforms import pnsgd, pnsgd_noise_std, project_onto_l2_ball
 
@@ -146,6 +145,9 @@ class PNSGDMechanism:
         if self.schedule == "random_stop" and self.passes != 1:
             raise ValueError(f"passes must be 1 with schedule='random_stop' (the random-stopping analyses are for "
                              f"one pass); got {self.passes}.")
+        if self.schedule == "random_stop" and self.return_intermediates:
+            raise ValueError("return_intermediates=True is not available with schedule='random_stop': the number of "
+                             "iterates would reveal the secret stopping time.")
         if self.strong_convexity is not None:
             _validate.check_in_range("strong_convexity", self.strong_convexity, 0.0, math.inf)
         check_callable("loss_fn", self.loss_fn, "loss_fn(model, x, y) -> per-example losses (b,)")
@@ -249,6 +251,10 @@ def setup(mech: PNSGDMechanism, model, x, y, x_bound, *, delta, order_seed, secr
             "guarantees; the reported epsilon is the composition bound.", UserWarning, stacklevel=4)
     params0 = nnx.split(model, nnx.Param, ...)[1]
     pdtype = param_dtype(params0)
+    top = math.sqrt(float(jnp.finfo(pdtype).max))
+    if radius >= top:  # the projection squares R and the norm in the parameters' dtype
+        raise ValueError(f"radius must be below {top:.3g} for {pdtype} parameters (its square must be finite); "
+                         f"got {radius:g}.")
     ledger = PrivacyLedger(
         analysis=pp.analysis, reason=pp.reason, convex=pp.convex, lipschitz=float(pp.lipschitz),
         smoothness=pp.smoothness, strong_convexity=float(pp.strong_convexity), learning_rate=float(pp.learning_rate),
@@ -299,17 +305,27 @@ def setup(mech: PNSGDMechanism, model, x, y, x_bound, *, delta, order_seed, secr
     one_step = _make_step(graphdef, rest, pp.loss_fn, tx, pp.clip_norm, mech.use_fast_path, mesh)
     keep = bool(mech.return_intermediates)
 
-    def run_full(carry, order, first_batch, length):
+    def masked_step(c, xb, yb, count, stop):
+        # Every public position runs a step; those after the (traced, secret) stopping time
+        # keep the carry unchanged. So no compiled program, trip count, progress line or
+        # running time depends on the stopping time. A fixed schedule passes stop = total.
+        new = one_step(c, xb, yb, count)
+        if schedule != "random_stop":
+            return new
+        active = c[2] < stop
+        return jax.tree.map(lambda n, o: jnp.where(active, n, o), new, c)
+
+    def run_full(carry, order, first_batch, stop, length):
         def body(c, j):
             idx = jax.lax.dynamic_slice(order, (j * b,), (b,))
-            c = one_step(c, X[idx], Y[idx], b)
+            c = masked_step(c, X[idx], Y[idx], b, stop)
             return c, (c[0] if keep else None)
 
         return jax.lax.scan(body, carry, first_batch + jnp.arange(length, dtype=jnp.int32))
 
-    def run_partial(carry, order):
+    def run_partial(carry, order, stop):
         idx = order[plan.full_batches * b: plan.full_batches * b + plan.last_batch]
-        c = one_step(carry, X[idx], Y[idx], plan.last_batch)
+        c = masked_step(carry, X[idx], Y[idx], plan.last_batch, stop)
         return c, (jax.tree.map(lambda a: a[None], c[0]) if keep else None)
 
     run_full_jit = jax.jit(run_full, static_argnames=("length",))
@@ -318,10 +334,10 @@ def setup(mech: PNSGDMechanism, model, x, y, x_bound, *, delta, order_seed, secr
     def run(st: PNSGDState, first, length, partial):
         carry = (st.params, st.opt_state, st.step, st.max_grad_norm, st.clipped)
         if partial:
-            carry, ys = run_partial_jit(carry, st.order)
+            carry, ys = run_partial_jit(carry, st.order, st.total_steps)
         else:
             j0 = first % plan.steps_per_pass
-            carry, ys = run_full_jit(carry, st.order, jnp.asarray(j0, jnp.int32), length=length)
+            carry, ys = run_full_jit(carry, st.order, jnp.asarray(j0, jnp.int32), st.total_steps, length=length)
         return PNSGDState(carry[0], carry[1], carry[2], st.order, st.total_steps, carry[3], carry[4]), ys
 
     def after(led: PrivacyLedger, st: PNSGDState) -> PrivacyLedger:
@@ -331,24 +347,15 @@ def setup(mech: PNSGDMechanism, model, x, y, x_bound, *, delta, order_seed, secr
     def segments(start, stop):
         return _segments(start, stop, plan, steps_per_call)
 
-    def report_at(steps_done):
-        p, t = divmod(steps_done, plan.steps_per_pass)
+    def report_at(position):
+        p, t = divmod(position, plan.steps_per_pass)
         return p == 0 or t == 0 or schedule == "random_stop"
-
-    def final_index(ckpt):
-        if schedule != "random_stop":
-            return None
-        # The stopped state alone, under the index a whole pass would reach: the finished run's
-        # listing is the same whatever the secret stopping step.
-        every = options.checkpoint_every or plan.steps_per_pass
-        present = _index_dirs(ckpt.directory)
-        return max(-(-plan.steps_per_pass // every) + 1, (present[0] + 1) if present else 1)
 
     def released(st: PNSGDState):
         return nnx.merge(graphdef, st.params, rest)
 
     return Run(name="PNSGD", mechanism=mech, state=state, ledger=ledger, config=config,
                steps_per_pass=plan.steps_per_pass,
-               progress_total=plan.steps_per_pass if schedule == "random_stop" else total, segments=segments,
-               run=run, after=after, model=released, pdtype=pdtype, report_at=report_at, final_index=final_index)
+               public_total=plan.steps_per_pass if schedule == "random_stop" else total, segments=segments,
+               run=run, after=after, model=released, pdtype=pdtype, report_at=report_at)
 

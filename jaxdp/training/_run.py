@@ -21,7 +21,7 @@ from ..data import Dataset
 from ._checkpoint import Checkpointer, _index_dirs
 from ._ledger import PrivacyLedger, PrivacyReport, _clipping_reason, demote
 
-__all__ = ["TrainResult", "accuracy"]
+__all__ = ["TrainResult", "TrainingDivergedError", "accuracy"]
 
 FORMAT = 3  # checkpoint format; 3: one driver for every mechanism (the mechanism named in the configuration)
 
@@ -116,6 +116,33 @@ def _check_features(x: np.ndarray) -> None:
             )
 
 
+def _check_labels(y: np.ndarray, model: nnx.Module, x: np.ndarray, loss_fn, num_classes: int | None) -> None:
+    """Labels that the model's own classification loss can use: integers in ``[0, classes)``.
+
+    ``classes`` is the data set's ``num_classes`` or, for ``(x, y)`` pairs, the model's
+    number of outputs (2 for one logit). A user's ``loss_fn`` may use any finite labels.
+    """
+    if x.shape[0] == 0:
+        raise ValueError("data holds no training record: x must have at least one row.")
+    if loss_fn is not None and num_classes is None:
+        if np.issubdtype(y.dtype, np.number) and not np.all(np.isfinite(y)):
+            raise ValueError("y contains NaN or infinite labels.")
+        return
+    if not (np.issubdtype(y.dtype, np.integer) or y.dtype == np.bool_):
+        raise ValueError(f"y must hold integer class labels for the model's classification loss; got dtype {y.dtype}.")
+    if num_classes is None and getattr(model, "loss", None) is not None:
+        try:
+            out = jax.eval_shape(model, jax.ShapeDtypeStruct((1, *x.shape[1:]), jnp.float32))
+            num_classes = max(2, int(out.shape[-1])) if out.ndim else 2
+        except Exception:  # a model that cannot be shaped here: its own loss will say what it needs
+            num_classes = None
+    lo, hi = int(y.min()), int(y.max())
+    if lo < 0 or (num_classes is not None and hi >= num_classes):
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"y holds the label {bad}, outside [0, {num_classes if num_classes is not None else 'classes'})"
+                         f" for this model/data set.")
+
+
 def _fingerprint(x: np.ndarray, y: np.ndarray) -> str:
     h = hashlib.sha256()
     for a in (x, y):
@@ -169,6 +196,34 @@ def _segments(start: int, stop: int, plan: _Plan, steps_per_call: int):
 # ----------------------------------------------------------------------------------------
 
 
+class TrainingDivergedError(FloatingPointError):
+    """Training stopped because the model or a per-example gradient norm became NaN or infinite.
+
+    No privacy report is produced for such a run: its ε would describe a broken model.
+    """
+
+
+@jax.jit
+def _all_finite(params, max_grad_norm):
+    leaves = [jnp.all(jnp.isfinite(a)) for a in jax.tree.leaves(params) if jnp.issubdtype(a.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True), jnp.isfinite(max_grad_norm)
+
+
+def _check_finite(params, max_grad_norm, algorithm: str) -> None:
+    """Raise :class:`TrainingDivergedError` (one line) if the parameters or the largest norm are not finite."""
+    params_ok, norm_ok = (bool(v) for v in _all_finite(params, max_grad_norm))
+    if not params_ok:
+        raise TrainingDivergedError(
+            f"{algorithm} training stopped: the model's parameters became NaN or infinite (a learning_rate too "
+            "large for the parameters' dtype, a loss_fn whose gradient is NaN or inf, or features too large); no "
+            "privacy report is given for a broken model.")
+    if not norm_ok:
+        raise TrainingDivergedError(
+            f"{algorithm} training stopped: a per-example gradient norm was NaN or infinite (a loss_fn whose "
+            "gradient is NaN or inf, or features too large for the parameters' dtype); no privacy report is given "
+            "for a broken model.")
+
+
 def _secret_key(noise_seed: int | None) -> jax.Array:
     """The key of the noise and the stopping time: OS entropy, or ``noise_seed`` (not private).
 
@@ -214,12 +269,14 @@ def _like_arrays(state) -> dict[str, np.ndarray]:
     return out
 
 
-def _open_checkpoints(checkpoint_dir, resume: bool):
-    """A Checkpointer for ``checkpoint_dir`` (or None); a non-empty one needs ``resume``."""
+def _open_checkpoints(checkpoint_dir, resume: bool, checkpoint_key=None):
+    """A locked Checkpointer for ``checkpoint_dir`` (or None); a non-empty one needs ``resume``."""
     if checkpoint_dir is None:
         return None
-    ck = Checkpointer(checkpoint_dir)
+    ck = Checkpointer(checkpoint_dir, key=checkpoint_key)
+    ck.acquire()  # before the emptiness check: a second run on the folder fails here, at once
     if not resume and _index_dirs(ck.directory):
+        ck.close()
         # No step in the message: with random stopping it is secret.
         raise ValueError(
             f"checkpoint_dir {str(checkpoint_dir)!r} already holds a checkpoint: pass "
@@ -248,7 +305,11 @@ def _check_format(ckpt, checkpoint_dir) -> None:
 
 
 def _resume(ckpt, state, ledger, config: dict, checkpoint_dir):
-    """``(state, ledger)`` from the newest intact checkpoint, if any, the ledger recomputed.
+    """``(state, ledger, position)`` from the newest intact checkpoint, if any, the ledger recomputed.
+
+    ``position`` is the public position the run continues from: the step counter, except
+    for random stopping, where steps past the secret stopping time are masked and the
+    position runs on to the end of the pass.
 
     A checkpoint of another format or configuration is refused. The stored ledger is not
     trusted: the ledger is recomputed from this run's configuration (``ledger``, built from
@@ -258,7 +319,7 @@ def _resume(ckpt, state, ledger, config: dict, checkpoint_dir):
     are skipped with a warning (:meth:`Checkpointer.restore`).
     """
     if ckpt is None or not _index_dirs(ckpt.directory):
-        return state, ledger
+        return state, ledger, int(state.step)
     _check_format(ckpt, checkpoint_dir)
     try:
         arrays, meta = ckpt.restore(_like_arrays(state))
@@ -293,7 +354,13 @@ def _resume(ckpt, state, ledger, config: dict, checkpoint_dir):
         # The values are not printed: steps_done and total_steps are secret with random stopping.
         raise _refuse(ckpt, checkpoint_dir, f"has a privacy ledger that disagrees with its configuration and step "
                                             f"counter (field {field})")
-    return restored, expected
+    step = int(restored.step)
+    position = meta.get("position", step)
+    last = ledger.steps_per_pass if getattr(ledger, "schedule", "fixed") == "random_stop" else step
+    if isinstance(position, bool) or not isinstance(position, int) or not step <= position <= max(last, step) \
+            or (position > step and step != int(expected.total_steps)):
+        raise _refuse(ckpt, checkpoint_dir, "has an impossible position in the pass")
+    return restored, expected, position
 
 
 def _expected_ledger(initial, restored, stored):
@@ -332,16 +399,15 @@ class Run(NamedTuple):
       ledger: the initial ledger (host-side facts; checkpointed in the metadata, recomputed on resume).
       config: the JSON configuration a resumed checkpoint must match.
       steps_per_pass: steps of one pass.
-      progress_total: the steps the progress bar counts (public: one pass for random stopping).
-      segments: ``segments(start) -> [(first_step, length, partial)]``, the jitted calls from
-        step ``start`` to the end (the same calls whatever the resume point).
-      run: ``run(state, first_step, length, partial) -> (state, intermediates or None)``.
+      public_total: the public positions the loop runs (random stopping: the whole pass, the
+        steps after the secret stopping time masked); progress, history and checkpoints count these.
+      segments: ``segments(start, stop) -> [(first, length, partial)]``, the jitted calls over
+        positions ``[start, stop)`` (the same calls whatever the resume point).
+      run: ``run(state, first, length, partial) -> (state, intermediates or None)``.
       after: ``after(ledger, state) -> ledger`` once a segment is done.
       model: ``model(state) -> nnx.Module`` the released model.
       pdtype: the parameters' dtype (the test set is cast to it).
-      report_at: ``report_at(steps_done) -> bool``: whether the progress bar shows ε there.
-      final_index: ``final_index(ckpt) -> int | None``: the save index of the last checkpoint
-        (random stopping: a public one; ``None``: the next counter).
+      report_at: ``report_at(position) -> bool``: whether the progress bar shows ε there.
       keep_every_checkpoint: keep every checkpoint and the initial model (DP-SGD's per-instance
         accounting reads them all); otherwise the newest two.
     """
@@ -352,14 +418,13 @@ class Run(NamedTuple):
     ledger: Any
     config: dict
     steps_per_pass: int
-    progress_total: int
+    public_total: int
     segments: Any
     run: Any
     after: Any
     model: Any
     pdtype: Any
     report_at: Any
-    final_index: Any = None
     keep_every_checkpoint: bool = False
 
 
