@@ -49,6 +49,7 @@ from flax import nnx
 
 from .. import _validate, accounting
 from ..models import LipschitzMLP
+from ..models._lipschitz import _power_iteration
 from ._config import check_count, check_noise_or_target, check_positive, frozen_config, replace
 from ._ledger import DPSBCDLedger, privacy_report
 from ._run import FORMAT, Run, _plan, _segments, calibrate_to_target
@@ -131,8 +132,6 @@ def _clipped_mean_grad(x, r, clip_norm, sign):
 
 def _power_rescale(w, u, rho, iterations):
     """Eq. 2 rescale W·min(ρ/λ̃, 1), λ̃ from the layers' own power iteration (carried u)."""
-    from ..models._lipschitz import _power_iteration
-
     tiny = jnp.finfo(w.dtype).tiny
     lam, u = _power_iteration(w, u, int(iterations))
     return w * jnp.minimum(rho / jnp.maximum(lam, tiny), 1.0).astype(w.dtype), u

@@ -26,7 +26,7 @@ from ._dpsgd import batch_capacity, dpsgd, dpsgd_step
 from ._ledger import DPSGDLedger, privacy_report
 from ._parallel import replicate
 from ._plan import _is_schedule, declared_loss_fn
-from ._run import FORMAT, Run, param_dtype
+from ._run import FORMAT, Run, certify_noise, param_dtype
 from ._transforms import _learning_rate_fn
 
 __all__ = ["DPSGDMechanism", "DPSGDState"]
@@ -215,8 +215,8 @@ def _noise_for_target(target: float, q: float, num_steps: int, delta: float) -> 
                          "to 1e4.")
     probe = DPSGDLedger("dpsgd", "", q, nu, 1.0, None, 1, 1, 1, num_steps, num_steps, num_steps, 1, delta, 0, False,
                         0.0)
-    for k in range(60):  # a recomputation in another program may differ in the last bits: nudge up
-        if privacy_report(probe._replace(noise_multiplier=nu)).summary()["worst"] <= target:
-            return nu
-        nu *= 1.0 + 1e-12 * 4.0**k
-    raise ValueError(f"target_epsilon={target:g}: the calibrated noise multiplier does not meet it.")
+
+    def worst(noise):
+        return privacy_report(probe._replace(noise_multiplier=float(noise))).summary()["worst"]
+
+    return certify_noise(worst, target, nu, "noise_multiplier")

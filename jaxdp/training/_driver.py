@@ -154,7 +154,7 @@ def _train(model, data, mechanism, delta, order_seed, noise_seed, options: RunOp
 
     # ---------------- the secret key and the mechanism ----------------
     if noise_seed is not None:
-        warnings.warn(f"noise_seed is fixed: {NOT_PRIVATE}.", UserWarning, stacklevel=4)
+        warnings.warn(f"noise_seed is fixed: {NOT_PRIVATE}.", UserWarning, stacklevel=3)
     secret = _secret_key(noise_seed)
     if mesh is not None:
         secret = _same_secret_on_all_processes(secret)

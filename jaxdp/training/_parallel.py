@@ -218,7 +218,7 @@ def _same_secret_on_all_processes(key: jax.Array) -> jax.Array:
     """
     if jax.process_count() == 1:
         return key
-    from jax.experimental import multihost_utils
+    from jax.experimental import multihost_utils  # lazy: only with several processes
 
     data = multihost_utils.broadcast_one_to_all(np.asarray(jax.random.key_data(key)))
     return jax.random.wrap_key_data(jnp.asarray(data), impl=jax.random.key_impl(key))
@@ -228,7 +228,7 @@ def _check_same_data(fingerprint: str) -> None:
     """Multi-host: every process must hold the same training set (refused otherwise)."""
     if jax.process_count() == 1:
         return
-    from jax.experimental import multihost_utils
+    from jax.experimental import multihost_utils  # lazy: only with several processes
 
     digest = np.frombuffer(bytes.fromhex(fingerprint), dtype=np.uint8)
     try:

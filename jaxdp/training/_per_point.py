@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 
 from .. import _validate
+from .. import accounting as acc
 from ._checkpoint import Checkpointer
 from ._clipping import clipped_grad_sum
 from ._ledger import DPSGDLedger, privacy_report
@@ -264,7 +265,7 @@ def clipped_norms_at_checkpoints(model: nnx.Module, data, checkpoint_dir, *, los
                 raise ValueError(f"checkpoint {s} in {str(checkpoint_dir)!r} lacks its array signature.")
             like = {k: np.zeros(shape, dtype) for k, (shape, dtype) in stored.items()}
             arrays, _ = ck.restore(like, s)
-            # The train state's leaves start with the parameters (see TrainState).
+            # DPSGDState's leaves start with the parameters.
             leaves = [jnp.asarray(arrays[f"leaf_{i:04d}"], dtype=ref.dtype) for i, ref in enumerate(leaves0)]
             m = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves), rest)
             r[:, j] = per_point_clipped_norms(loss_fn, m, (x, y), ledger.clip_norm, chunk_size=chunk_size,
@@ -332,8 +333,6 @@ def _steps_per_checkpoint(checkpoint_steps: np.ndarray, num_steps: int) -> np.nd
 
 def _realised_rdp(r, checkpoint_steps, num_steps, q, noise_multiplier, orders, block) -> np.ndarray:
     """Σ_t ε_step(α; r_{i,t}) per record, r_{i,t} from the checkpoint nearest t - 1: shape (n, k)."""
-    from .. import accounting as acc
-
     counts = _steps_per_checkpoint(checkpoint_steps, num_steps).astype(np.float64)
     rdp = np.empty((r.shape[0], len(orders)), np.float64)
     for s in range(0, r.shape[0], block):
@@ -400,8 +399,6 @@ def per_point_privacy(norms: CheckpointNorms, *, delta: float | None = None, ord
       >>> bool(res.estimate.epsilon[1] < res.epsilon < res.estimate.epsilon[0] + 1e-9)
       True
     """
-    from .. import accounting as acc
-
     ledger = norms.ledger
     delta = float(ledger.delta if delta is None else delta)
     _validate.check_delta(delta)

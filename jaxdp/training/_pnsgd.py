@@ -48,7 +48,7 @@ from ._config import (
 from ._ledger import PrivacyLedger, _clipping_reason, demote, privacy_report
 from ._parallel import parallel_clipped_grad_sum, replicate
 from ._plan import _is_schedule, _plan_privacy, rate_config
-from ._run import FORMAT, Run, _plan, _segments, calibrate_to_target, param_dtype
+from ._run import FORMAT, Run, _plan, _segments, certify_noise, param_dtype
 from ._transforms import pnsgd, pnsgd_noise_std, project_onto_l2_ball
 
 __all__ = ["PNSGDMechanism", "PNSGDState"]
@@ -199,13 +199,14 @@ def _make_step(graphdef, rest, loss_fn, tx, clip_norm, use_fast_path=None, mesh=
         updates, opt_state = tx.update(g, opt_state, params)
         params = optax.apply_updates(params, updates)
         maxn = jnp.maximum(maxn, jnp.max(cg.norms).astype(maxn.dtype))
-        clipped = clipped + jnp.sum(cg.norms > jnp.asarray(clip_norm, cg.norms.dtype)).astype(clipped.dtype)
+        # NaN norms count as above C: the run-time check "no gradient exceeded C" must fail on them.
+        clipped = clipped + jnp.sum(~(cg.norms <= jnp.asarray(clip_norm, cg.norms.dtype))).astype(clipped.dtype)
         return (params, opt_state, step + 1, maxn, clipped)
 
     return one_step
 
 
-def _noise_for_target(mech: PNSGDMechanism, ledger: PrivacyLedger, pp, planned_steps: int) -> float:
+def _noise_for_target(mech: PNSGDMechanism, ledger: PrivacyLedger, planned_steps: int) -> float:
     """ν whose reported worst-record ε at the end is at most ``mech.target_epsilon`` (≥ 98% of it)."""
     target, b, c = float(mech.target_epsilon), ledger.batch_size, ledger.clip_norm
 
@@ -223,15 +224,8 @@ def _noise_for_target(mech: PNSGDMechanism, ledger: PrivacyLedger, pp, planned_s
             learning_rate=ledger.learning_rate, diameter=ledger.diameter, num_records=ledger.records,
             strong_convexity=ledger.strong_convexity if amplified else 0.0, batch_size=b, passes=ledger.passes,
             analysis="best" if amplified else "composition")
-        start = float(sigma) * b / (2.0 * c)
-        if math.isfinite(start) and start > 0:
-            # The accountant's σ, as the ν the report recomputes σ from: nudge up past any last-bit difference.
-            for _ in range(60):
-                if worst(start) <= target:
-                    return start
-                start *= 1.0 + 1e-12 * 4.0 ** _
-        start = 1.0
-    return calibrate_to_target(worst, target, start, "noise_multiplier")
+        start = float(sigma) * b / (2.0 * c)  # the accountant's σ as the ν the report recomputes σ from
+    return certify_noise(worst, target, start, "noise_multiplier")
 
 
 def setup(mech: PNSGDMechanism, model, x, y, x_bound, *, delta, order_seed, secret, fixed_seed, mesh,
@@ -266,7 +260,7 @@ def setup(mech: PNSGDMechanism, model, x, y, x_bound, *, delta, order_seed, secr
         max_grad_norm=0.0, intermediates_released=bool(mech.return_intermediates))
     nu = mech.noise_multiplier
     if nu is None:
-        nu = _noise_for_target(mech, ledger, pp, passes * plan.steps_per_pass)
+        nu = _noise_for_target(mech, ledger, passes * plan.steps_per_pass)
     mech = replace(mech, noise_multiplier=float(nu), target_epsilon=None) if mech.target_epsilon is not None else mech
     nu = float(nu)
     ledger = ledger._replace(noise_multiplier=nu, noise_std=float(pnsgd_noise_std(nu, pp.clip_norm, batch_size)))

@@ -1,8 +1,9 @@
-"""Pieces every training driver shares: the data, the batches, the secret key, checkpoints and resume.
+"""Pieces the driver and the mechanisms share: data, batches, the secret key, checkpoints and resume.
 
-Nothing here knows an algorithm: :mod:`jaxdp.training._loop` (PNSGD), ``_dpsgd_loop``
-(DP-SGD) and ``_dpsbcd`` (DP-SBCD) build on these, and none of them imports another driver,
-so the package's imports form a tree (``tests/training/test_imports.py``).
+Nothing here knows a mechanism: the mechanisms (``_pnsgd``, ``_dpsgd_mechanism``,
+``_dpsbcd``) build their :class:`Run` from these, the driver (``_driver``) runs it, and no
+module imports one above it, so the package's imports form a tree
+(``tests/training/test_imports.py``).
 """
 
 from __future__ import annotations
@@ -426,6 +427,28 @@ class Run(NamedTuple):
     pdtype: Any
     report_at: Any
     keep_every_checkpoint: bool = False
+
+
+def certify_noise(worst, target: float, guess: float, name: str) -> float:
+    """``guess`` (an accountant's calibration) checked on the run's own report, else the bisection below.
+
+    The report may recompute ε in another program and differ in the last bits: the guess is
+    nudged up by at most about 1e-6 (relative) until the reported ε is at most ``target``;
+    if it is then below ``0.98 * target`` (the calibration used a looser analysis than the
+    report), or was never accepted, :func:`calibrate_to_target` searches from it.
+    """
+    if math.isfinite(guess) and guess > 0:
+        nu = guess
+        for k in range(10):
+            eps = worst(nu)
+            if eps <= target:
+                if eps >= 0.98 * target:
+                    return nu
+                break
+            nu *= 1.0 + 1e-12 * 4.0**k
+    else:
+        guess = 1.0
+    return calibrate_to_target(worst, target, guess, name)
 
 
 def calibrate_to_target(worst, target: float, start: float, name: str) -> float:

@@ -227,3 +227,26 @@ def test_a_checkpoint_of_an_older_format_is_refused_in_one_line(tmp_path):
         train(MLP((6, 4, 3), rngs=nnx.Rngs(0)), _small(), mech, noise_seed=0,
               options=RunOptions(checkpoint_dir=tmp_path, resume=True, progress=False))
     assert "\n" not in str(err.value)
+
+
+def test_train_has_at_most_eight_parameters():
+    import inspect
+
+    params = inspect.signature(train).parameters
+    assert len(params) <= 8, list(params)
+    assert list(params)[:3] == ["model", "data", "mechanism"]
+
+
+def test_the_ledger_gives_the_accounting_event_of_the_run():
+    from jaxdp.accounting import epsilon
+
+    res = train(MLP((6, 4, 3), rngs=nnx.Rngs(0)), _small(),
+                DPSGDMechanism(clip_norm=1.0, noise_multiplier=1.0, learning_rate=0.1, batch_size=30, passes=2),
+                noise_seed=0, options=QUIET)
+    # dpsgd_epsilon equals epsilon(dpsgd_event) bit for bit (docs/events.md).
+    assert float(epsilon(res.ledger.event(), 1e-5)) == res.privacy.summary()["worst"]
+    mech = PNSGDMechanism(learning_rate=1.0, radius=30.0, noise_multiplier=1.0, batch_size=200, passes=2)
+    res = train(SoftmaxRegression(64, 10, rngs=nnx.Rngs(0)), load_digits(), mech, noise_seed=0, options=QUIET)
+    worst = res.privacy.summary()["worst"]
+    # The event's worst record under the same analyses (independent code path: the event registry).
+    assert float(epsilon(res.ledger.event(), 1e-5)) == pytest.approx(worst, rel=1e-6)
