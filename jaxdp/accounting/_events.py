@@ -427,6 +427,7 @@ def dpsgd_event(q, noise_multiplier, num_steps) -> SelfComposed:
       >>> round(float(jaxdp.accounting.epsilon(ev, 1e-5)), 6)
       2.594363
     """
+    _validate.check_broadcastable(q=q, noise_multiplier=noise_multiplier, num_steps=num_steps)
     return SelfComposed(PoissonSampled(q, Gaussian(noise_multiplier)), num_steps)
 
 

@@ -368,6 +368,7 @@ def sampled_gaussian_rdp(orders, q, noise_multiplier) -> jax.Array:
     orders_np = _validate.concrete_orders(orders)
     _validate.check_nonempty("q", q)
     _validate.check_nonempty("noise_multiplier", noise_multiplier)
+    _validate.check_broadcastable(q=q, noise_multiplier=noise_multiplier)
     _validate.check_in_range("q", q, 0.0, 1.0)
     _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True)
     return _sgm_rdp_jit(tuple(orders_np.tolist()), f64(q), f64(noise_multiplier))
@@ -450,6 +451,7 @@ def heterogeneous_rdp(orders, q, noise_multiplier, num_steps) -> jax.Array:
       [2.0, 4.0]
     """
     _validate.check_nonempty("num_steps", num_steps)
+    _validate.check_broadcastable(q=q, noise_multiplier=noise_multiplier, num_steps=num_steps)
     _validate.check_in_range("num_steps", num_steps, 0.0, math.inf)
     steps_arr = jnp.ceil(f64(num_steps))
     per_step = sampled_gaussian_rdp(orders, q, noise_multiplier)  # (..., S, k)

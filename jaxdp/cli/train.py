@@ -19,7 +19,7 @@ import sys
 import time
 import warnings
 
-from ._common import error, option_message
+from ._common import check_out_dir, data_error, error, option_message, seed
 
 _MODELS = ("logistic", "softmax", "mlp")
 _SBCD_HIDDEN = "dpsbcd hidden-state (Chen & Liu Thm 4.6, layers summed)"  # the report's name for it
@@ -75,9 +75,9 @@ def add_parser(sub) -> None:
                    help="dpsbcd: weight decay lambda of the proximal step (default 0)")
     p.add_argument("--max-spectral-norm", type=float, default=3.0,
                    help="dpsbcd: spectral-norm bound rho of every layer of the Lipschitz MLP (default 3)")
-    p.add_argument("--order-seed", type=int, default=0,
+    p.add_argument("--order-seed", type=seed("--order-seed"), default=0,
                    help="public seed of the record order and the model's initialisation (default 0)")
-    p.add_argument("--insecure-noise-seed", type=int, default=None, metavar="N",
+    p.add_argument("--insecure-noise-seed", type=seed("--insecure-noise-seed"), default=None, metavar="N",
                    help="fix the seed of the noise and stopping time, for tests and reproductions only: the run is "
                         "then NOT private (by default that key comes from the OS entropy and is never shown)")
     p.add_argument("--schedule", choices=("fixed", "random-stop"), default="fixed",
@@ -113,8 +113,8 @@ def _load(args):
     loader = data.load_mnist if args.dataset == "mnist" else data.load_fashion_mnist
     try:
         return loader(args.data_path)
-    except FileNotFoundError as err:
-        raise _Usage(f"--data-path: {str(err).splitlines()[0]}") from None
+    except (FileNotFoundError, ValueError) as err:  # one line naming --data-path and the file
+        raise _Usage(str(data_error("--data-path", err))) from None
 
 
 _NOT_PRIVATE = ("NOT PRIVATE (--insecure-noise-seed): anyone who knows that seed can regenerate the noise and "
@@ -199,6 +199,8 @@ def run(args) -> int:
     try:
         if str(args.plot).lower() != "none":
             _check_writable(args.plot)
+        if args.checkpoint_dir is not None:  # a file, or a read-only folder, fails now, not after a pass
+            check_out_dir(args.checkpoint_dir, "--checkpoint-dir")
         sbcd = {}
         if args.algorithm == "dpsbcd":
             sbcd, passes = _dpsbcd_options(args, passes)
