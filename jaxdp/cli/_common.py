@@ -91,7 +91,7 @@ def step_count(option: str):
             v = math.nan
         if not (math.isfinite(v) and v >= 0 and v == math.floor(v)):
             raise argparse.ArgumentTypeError(f"{option} must be a whole number of steps >= 0; got {text!r}")
-        return v
+        return v + 0.0  # -0 is 0
 
     return parse
 
