@@ -4,10 +4,10 @@ Workload: the paper's synthetic shape (scikit-learn ``make_classification``, 6,0
 5 classes, 4,800 training rows), a bias-free ``LipschitzMLP`` (20, 200, 200, 200, 5) as in
 Chen & Liu's experiment (``--width`` to change), batch 960 (5 steps per pass), float32, CPU.
 
-* ``dpsbcd``: :func:`jaxdp.training.train` with ``algorithm="dpsbcd"`` (the common trainer:
+* ``dpsbcd``: :func:`jaxdp.training.train` with ``DPSBCDMechanism`` (the common trainer:
   lifted per-record state, x/U block updates with a linear solve per layer, power iteration,
   noisy prox step, one ``lax.scan`` per pass, ledger and report);
-* ``dpsgd``: :func:`jaxdp.training.train` with ``algorithm="dpsgd"`` (Poisson sampling with
+* ``dpsgd``: :func:`jaxdp.training.train` with ``DPSGDMechanism`` (Poisson sampling with
   expected batch 960, per-example clipping, optax SGD).
 
 Each method is run for ``P1`` and ``P2`` passes once to compile (discarded), then timed again
@@ -39,7 +39,7 @@ from sklearn.datasets import make_classification
 
 from jaxdp.data import from_arrays
 from jaxdp.models import LipschitzMLP, softmax_cross_entropy_loss
-from jaxdp.training import train
+from jaxdp.training import DPSBCDMechanism, DPSGDMechanism, RunOptions, train
 
 
 def _data():
@@ -69,15 +69,16 @@ def main(argv=None) -> int:
 
     def sbcd(passes):
         model = LipschitzMLP(features, rngs=nnx.Rngs(0), max_spectral_norm=3.0)
-        res = train(model, ds, algorithm="dpsbcd", learning_rate=0.01, noise_temperature=[0.01] * passes,
-                    clip_norm=1.0, contraction=1.0, batch_size=batch, delta=1e-5, noise_seed=0, progress=False)
+        mech = DPSBCDMechanism(learning_rate=0.01, noise_temperature=[0.01] * passes, clip_norm=1.0, contraction=1.0,
+                               batch_size=batch)
+        res = train(model, ds, mech, delta=1e-5, noise_seed=0, options=RunOptions(progress=False))
         jax.block_until_ready(res.model.layers[-1].kernel[...])
 
     def sgd(passes):
         model = LipschitzMLP(features, rngs=nnx.Rngs(0), max_spectral_norm=3.0)
-        res = train(model, ds, algorithm="dpsgd", optimizer=optax.sgd(0.5), noise_multiplier=1.0, clip_norm=1.0,
-                    batch_size=batch, passes=passes, delta=1e-5, progress=False, noise_seed=0,
-                    loss_fn=softmax_cross_entropy_loss)
+        mech = DPSGDMechanism(noise_multiplier=1.0, clip_norm=1.0, optimizer=optax.sgd(0.5), batch_size=batch,
+                              passes=passes, loss_fn=softmax_cross_entropy_loss)
+        res = train(model, ds, mech, delta=1e-5, noise_seed=0, options=RunOptions(progress=False))
         jax.block_until_ready(jax.tree.leaves(nnx.state(res.model)))
 
     print(f"machine: {platform.machine()} {os.cpu_count()} cores, jax {jax.__version__}, network {features}, "

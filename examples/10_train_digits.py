@@ -22,7 +22,9 @@ from flax import nnx
 
 from jaxdp.data import load_digits
 from jaxdp.models import MLP, LogisticRegression, SoftmaxRegression
-from jaxdp.training import train
+from jaxdp.training import PNSGDMechanism, RunOptions, train
+
+QUIET = RunOptions(progress=False)
 
 
 def main(argv=None) -> int:
@@ -33,9 +35,9 @@ def main(argv=None) -> int:
 
     ds = load_digits()  # rows scaled to unit norm: X = 1, so L = 2 and beta = 1
     print(f"digits: {len(ds.x_train)} train / {len(ds.x_test)} test, 64 features, ||x|| <= {ds.feature_norm_bound:g}")
-    res = train(SoftmaxRegression(64, 10, rngs=nnx.Rngs(0)), ds, learning_rate=1.0, noise_multiplier=1.0,
-                radius=30.0, batch_size=64, passes=passes, progress=False)
-    rep, led = res.privacy, res.state.ledger
+    mech = PNSGDMechanism(learning_rate=1.0, noise_multiplier=1.0, radius=30.0, batch_size=64, passes=passes)
+    res = train(SoftmaxRegression(64, 10, rngs=nnx.Rngs(0)), ds, mech, options=QUIET)
+    rep, led = res.privacy, res.ledger
     amp, comp = rep.summary(rep.amplified), rep.summary(rep.composition)
     print(f"softmax regression, {passes} pass(es): test accuracy {100 * res.test_accuracy:.1f} %")
     print(f"  epsilon best/median/worst, hidden iterates: {amp['best']:.3g} / {amp['median']:.3g} / {amp['worst']:.3g}")
@@ -58,8 +60,9 @@ def main(argv=None) -> int:
     # At epsilon <= 1 for every record: the binary task (odd vs even digit) with logistic
     # regression, more noise (nu = 6), a small learning rate and 20 passes.
     binary = ds._replace(y_train=ds.y_train % 2, y_test=ds.y_test % 2, num_classes=2, name="digits (odd vs even)")
-    logi = train(LogisticRegression(64, rngs=nnx.Rngs(0)), binary, learning_rate=0.1, noise_multiplier=6.0,
-                 radius=10.0, batch_size=64, passes=2 if args.smoke else 20, progress=False)
+    logi = train(LogisticRegression(64, rngs=nnx.Rngs(0)), binary,
+                 PNSGDMechanism(learning_rate=0.1, noise_multiplier=6.0, radius=10.0, batch_size=64,
+                                passes=2 if args.smoke else 20), options=QUIET)
     la = logi.privacy.summary()
     print(f"logistic regression, odd vs even: test accuracy {100 * logi.test_accuracy:.1f} %, epsilon best/median/worst "
           f"{la['best']:.3g} / {la['median']:.3g} / {la['worst']:.3g} (composition "
@@ -69,8 +72,9 @@ def main(argv=None) -> int:
         assert logi.test_accuracy >= 0.75, logi.test_accuracy
 
     # A non-convex model: trained, but only the composition bound is reported.
-    mlp = train(MLP((64, 32, 10), rngs=nnx.Rngs(0)), ds, learning_rate=0.5, noise_multiplier=1.0, radius=30.0,
-                batch_size=64, passes=passes, clip_norm=1.0, progress=False)
+    mlp = train(MLP((64, 32, 10), rngs=nnx.Rngs(0)), ds,
+                PNSGDMechanism(learning_rate=0.5, noise_multiplier=1.0, radius=30.0, batch_size=64, passes=passes,
+                               clip_norm=1.0), options=QUIET)
     print(f"MLP 64-32-10: test accuracy {100 * mlp.test_accuracy:.1f} %, reported {mlp.privacy.analysis}: "
           f"{mlp.privacy.reason}")
     assert mlp.privacy.analysis == "composition" and mlp.privacy.amplified is None

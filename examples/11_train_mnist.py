@@ -29,7 +29,7 @@ from flax import nnx
 
 from jaxdp.data import load_fashion_mnist, load_mnist
 from jaxdp.models import SoftmaxRegression
-from jaxdp.training import train
+from jaxdp.training import PNSGDMechanism, RunOptions, train
 
 
 def main(argv=None) -> int:
@@ -55,8 +55,9 @@ def main(argv=None) -> int:
                          y_test=ds.y_test[:1000])
         passes = 1
     print(f"{ds.name}: {len(ds.x_train)} train / {len(ds.x_test)} test, {ds.x_train.shape[1]} features")
-    res = train(SoftmaxRegression(ds.x_train.shape[1], 10, rngs=nnx.Rngs(0)), ds, learning_rate=1.0,
-                noise_multiplier=2.0, radius=30.0, batch_size=256, passes=passes, progress=False)
+    mech = PNSGDMechanism(learning_rate=1.0, noise_multiplier=2.0, radius=30.0, batch_size=256, passes=passes)
+    res = train(SoftmaxRegression(ds.x_train.shape[1], 10, rngs=nnx.Rngs(0)), ds, mech,
+                options=RunOptions(progress=False))
     rep = res.privacy
     amp, comp = rep.summary(rep.amplified), rep.summary(rep.composition)
     print(f"test accuracy {100 * res.test_accuracy:.1f} % ({res.seconds:.1f} s of training)")
@@ -64,7 +65,7 @@ def main(argv=None) -> int:
           f"composition {comp['best']:.3g} / {comp['median']:.3g} / {comp['worst']:.3g}")
     print(rep.table())
 
-    assert rep.analysis == "hidden-state" and res.state.ledger.clipped == 0, rep.reason
+    assert rep.analysis == "hidden-state" and res.ledger.clipped == 0, rep.reason
     assert np.all(rep.epsilon <= rep.composition)
     if not args.smoke and len(ds.x_train) == 60000:
         assert amp["worst"] <= 2.3 and amp["median"] <= 0.35 and comp["worst"] >= 4.9, (amp, comp)

@@ -22,7 +22,7 @@ from flax import nnx
 import jaxdp.accounting as A
 from jaxdp.data import load_digits
 from jaxdp.models import MLP
-from jaxdp.training import train
+from jaxdp.training import DPSGDMechanism, RunOptions, train
 
 
 def main(argv=None) -> int:
@@ -35,11 +35,13 @@ def main(argv=None) -> int:
     ds = load_digits()
     n = len(ds.x_train)
     num_steps = passes * math.ceil(n / batch)
-    nm = float(A.calibrate_noise_multiplier(target, batch / n, num_steps, delta).noise_multiplier)
+    # The mechanism calibrates its noise multiplier for the target (its q, steps and delta).
+    mech = DPSGDMechanism(target_epsilon=target, clip_norm=1.0, optimizer=optax.sgd(1.0), batch_size=batch,
+                          passes=passes)
+    res = train(MLP((64, 64, 10), rngs=nnx.Rngs(0)), ds, mech, delta=delta, options=RunOptions(progress=False))
+    nm = res.mechanism.noise_multiplier
     print(f"noise multiplier {nm:.4f} gives epsilon <= {target} for {num_steps} steps at q = {batch / n:.4f}")
-
-    res = train(MLP((64, 64, 10), rngs=nnx.Rngs(0)), ds, algorithm="dpsgd", optimizer=optax.sgd(1.0),
-                noise_multiplier=nm, clip_norm=1.0, batch_size=batch, passes=passes, delta=delta, progress=False)
+    assert nm == float(A.calibrate_noise_multiplier(target, batch / n, num_steps, delta).noise_multiplier)
     eps = res.privacy.summary()["worst"]
     print(f"guarantee of the released model: epsilon = {eps:.3f} at delta = {delta:g} for every record")
     print(f"  ({res.privacy.reason})")

@@ -35,7 +35,7 @@ from flax import nnx
 import jaxdp.accounting as A
 from jaxdp.data import load_digits
 from jaxdp.models import MLP
-from jaxdp.training import clipped_norms_at_checkpoints, per_point_privacy, train
+from jaxdp.training import DPSGDMechanism, RunOptions, clipped_norms_at_checkpoints, per_point_privacy, train
 
 
 def main(argv=None) -> int:
@@ -51,9 +51,10 @@ def main(argv=None) -> int:
     n = len(ds.x_train)
     with tempfile.TemporaryDirectory() as folder:
         ckpt = pathlib.Path(folder) / "run"
-        res = train(MLP((64, 64, 10), rngs=nnx.Rngs(0)), ds, algorithm="dpsgd", optimizer=optax.sgd(0.5),
-                    noise_multiplier=nm, clip_norm=clip, batch_size=batch, passes=passes, delta=delta,
-                    checkpoint_dir=ckpt, progress=False)
+        mech = DPSGDMechanism(noise_multiplier=nm, clip_norm=clip, optimizer=optax.sgd(0.5), batch_size=batch,
+                              passes=passes)
+        res = train(MLP((64, 64, 10), rngs=nnx.Rngs(0)), ds, mech, delta=delta,
+                    options=RunOptions(checkpoint_dir=ckpt, progress=False))
         norms = clipped_norms_at_checkpoints(MLP((64, 64, 10), rngs=nnx.Rngs(0)), ds, ckpt)
     pp = per_point_privacy(norms, orders=orders)
 

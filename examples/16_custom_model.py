@@ -47,8 +47,10 @@ class LeastSquares(nnx.Module):
 def run(passes: int):
     digits = jaxdp.data.load_digits()  # rows scaled to ||x|| <= 1
     data = digits._replace(y_train=digits.y_train % 2, y_test=digits.y_test % 2)
-    return jaxdp.training.train(LeastSquares(64, nnx.Rngs(0)), data, learning_rate=0.05, noise_multiplier=2.0,
-                                radius=1.0, batch_size=64, passes=passes, progress=False)
+    mechanism = jaxdp.training.PNSGDMechanism(learning_rate=0.05, noise_multiplier=2.0, radius=1.0, batch_size=64,
+                                              passes=passes)
+    return jaxdp.training.train(LeastSquares(64, nnx.Rngs(0)), data, mechanism,
+                                options=jaxdp.training.RunOptions(progress=False))
 # ---- end of the user's code ----
 
 
@@ -60,7 +62,7 @@ def main(argv=None) -> int:
     assert isinstance(LeastSquares(2, nnx.Rngs(0)), jaxdp.models.HiddenStateModel)
 
     res = run(passes)
-    rep, led = res.privacy, res.state.ledger
+    rep, led = res.privacy, res.ledger
     amp, comp = rep.summary(), rep.summary(rep.composition)
     print(f"least squares, odd vs even digits, {passes} pass(es): test accuracy {100 * res.test_accuracy:.1f} %")
     print(f"  L = {led.lipschitz:.4g}, beta = {led.smoothness:g}, C = {led.clip_norm:.4g}")

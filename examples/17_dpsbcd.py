@@ -8,8 +8,8 @@ schedule C and of a linearly decreasing one D calibrated to the same epsilon (th
 Table 1 design), their test accuracies, and DP-SGD on the same bias-free Lipschitz network
 at that epsilon (RDP accountant, Poisson sampling); then the same on the bundled digits. A
 plot of accuracy against epsilon is written to dpsbcd_accuracy.png (in --out). Every run
-goes through the common trainer, ``train(..., algorithm="dpsbcd")`` and
-``train(..., algorithm="dpsgd")``.
+goes through the common trainer, ``train(..., DPSBCDMechanism(...))`` and
+``train(..., DPSGDMechanism(...))``.
 
 The epsilon of a DP-SBCD run is the worst record position's: the processing order comes
 from a public seed, so the paper's average over a secret random batch position does not
@@ -50,7 +50,7 @@ from sklearn.datasets import make_classification
 import jaxdp.accounting as A
 from jaxdp.data import from_arrays, load_digits
 from jaxdp.models import LipschitzMLP, softmax_cross_entropy_loss
-from jaxdp.training import train
+from jaxdp.training import DPSBCDMechanism, DPSGDMechanism, RunOptions, train
 
 DELTA = 1e-5
 ETA, CLIP, RHO, BATCH, WEIGHT_DECAY = 2.0, 1.0, 3.0, 960, 0.05
@@ -109,8 +109,9 @@ def run(ds, features, passes_list, label, seed=0, baseline=True):
         row = {"data": label, "K": passes, "eps": eps_d}
         for name, sched in (("C", sched_c), ("D", sched_d)):
             model = LipschitzMLP(features, rngs=nnx.Rngs(seed), max_spectral_norm=RHO)
-            res = train(model, ds, algorithm="dpsbcd", learning_rate=ETA, noise_temperature=sched, clip_norm=CLIP,
-                        contraction=1.0, batch_size=batch, delta=DELTA, weight_decay=WEIGHT_DECAY, progress=False)
+            mech = DPSBCDMechanism(learning_rate=ETA, noise_temperature=sched, clip_norm=CLIP, contraction=1.0,
+                                   batch_size=batch, weight_decay=WEIGHT_DECAY)
+            res = train(model, ds, mech, delta=DELTA, options=RunOptions(progress=False))
             eps = res.privacy.summary()["worst"]  # the release's guarantee (worst record position)
             assert eps <= eps_d * (1 + 1e-6) + 1e-12, (name, eps, eps_d)
             row[name] = res.test_accuracy
@@ -122,9 +123,9 @@ def run(ds, features, passes_list, label, seed=0, baseline=True):
             continue
         nm = float(A.calibrate_noise_multiplier(eps_d, batch / n, steps, DELTA).noise_multiplier)
         model = LipschitzMLP(features, rngs=nnx.Rngs(seed), max_spectral_norm=RHO)
-        res = train(model, ds, algorithm="dpsgd", optimizer=optax.sgd(0.5), noise_multiplier=nm, clip_norm=CLIP,
-                    batch_size=batch, passes=passes, delta=DELTA, progress=False,
-                    loss_fn=softmax_cross_entropy_loss)
+        mech = DPSGDMechanism(noise_multiplier=nm, clip_norm=CLIP, optimizer=optax.sgd(0.5), batch_size=batch,
+                              passes=passes, loss_fn=softmax_cross_entropy_loss)
+        res = train(model, ds, mech, delta=DELTA, options=RunOptions(progress=False))
         row["DP-SGD"] = res.test_accuracy
         row["o_C"], row["o_D"] = o_c, (sched_d[0], sched_d[-1])
         rows.append(row)

@@ -410,8 +410,11 @@ def test_train_dpsgd_target_epsilon(capsys):
             bad = bad[:bad.index("--target-epsilon")] + bad[bad.index("--target-epsilon") + 2:]
         assert main(bad + extra) == 2
         assert needle in capsys.readouterr().err
-    assert main(["train", "--target-epsilon", "1", "--smoke", "--plot", "none"]) == 2
-    assert "--algorithm dpsgd only" in capsys.readouterr().err
+    assert main(["train", "--target-epsilon", "1", "--smoke", "--plot", "none", "--json"]) == 0  # PNSGD too
+    assert 0.98 <= json.loads(capsys.readouterr().out)["epsilon_worst"] <= 1.0
+    assert main(["train", "--algorithm", "dpsbcd", "--model", "mlp", "--noise-temperature", "1e-3", "--contraction",
+                 "1", "--target-epsilon", "1", "--smoke", "--plot", "none"]) == 2
+    assert "give --noise-temperature" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------

@@ -113,6 +113,8 @@ _LOCAL_NAMES = {
     "iterations_limit", "lower", "upper", "bracket", "tolerance", "x_test", "y_test", "order",
     "digits", "kind", "inputs", "labels", "example_axis", "per_example_grads", "model_or_params", "tree",
     "p_prime", "graphdef", "rest", "tx", "opt_state", "sample_key", "norms", "result",
+    "mechanism", "options",  # train(model, data, mechanism, options=RunOptions(...))
+    "checkpoint_key",  # RunOptions: the HMAC key of the checkpoints
     "devices", "mesh",  # data parallelism: where the batch is split (jax devices or a Mesh)
 }
 

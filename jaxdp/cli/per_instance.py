@@ -98,7 +98,7 @@ def _model(checkpoint_dir: str, ds, data: str = "digits"):
     finally:
         ck.close()
     config = meta.get("config") or {}
-    if config.get("algorithm") != "dpsgd":
+    if config.get("mechanism") != "dpsgd":
         raise _Usage(f"--checkpoint-dir {checkpoint_dir!r} does not hold a DP-SGD run (jaxdp train --algorithm dpsgd)")
     d, rngs, kind = ds.x_train.shape[1], nnx.Rngs(0), config.get("model")
     # The run's first weight matrix has one row per feature; its ledger counts the records.

@@ -60,8 +60,9 @@ def add_parser(sub) -> None:
                         "the same noise is twice this); dpsgd: relative to the clip norm C on the clipped sum, as in "
                         "Opacus and dp_accounting; dpsbcd: not used (--noise-temperature)")
     p.add_argument("--target-epsilon", type=float, default=None, metavar="EPSILON",
-                   help="dpsgd: instead of --noise-multiplier, the smallest noise multiplier whose epsilon at --delta "
-                        "is at most EPSILON for this run's q and steps (calibrate_noise_multiplier)")
+                   help="pnsgd, dpsgd: instead of --noise-multiplier, the smallest noise multiplier whose reported "
+                        "worst-record epsilon at --delta is at most EPSILON for this run (its q, steps, records used "
+                        "and analysis)")
     p.add_argument("--radius", type=float, default=30.0, help="radius R of the parameter ball, D = 2R (default 30)")
     p.add_argument("--clip-norm", type=float, default=None,
                    help="clip norm C (default: the Lipschitz bound for convex models, 1 for the MLP)")
@@ -207,34 +208,36 @@ def run(args) -> int:
             sbcd, passes = _dpsbcd_options(args, passes)
         ds = _load(args)
         model, ds = _model(args, ds)
-        noise_multiplier = _noise_multiplier(args, len(ds.x_train), passes)
+        noise = _noise(args)
         clip = args.clip_norm
         if clip is None and (args.model == "mlp" or args.algorithm != "pnsgd"):
             clip = 1.0
-        from ..training import train
+        from ..training import DPSBCDMechanism, DPSGDMechanism, PNSGDMechanism, RunOptions, train
 
+        common = dict(learning_rate=args.learning_rate, batch_size=args.batch_size, clip_norm=clip)
+        if args.algorithm == "dpsbcd":
+            mechanism = DPSBCDMechanism(**common, **sbcd)
+        elif args.algorithm == "dpsgd":
+            mechanism = DPSGDMechanism(**common, **noise, passes=passes)
+        else:
+            mechanism = PNSGDMechanism(**common, **noise, passes=passes, radius=args.radius,
+                                       schedule=args.schedule.replace("-", "_"))
+        options = RunOptions(checkpoint_dir=args.checkpoint_dir, resume=args.resume, devices=args.devices,
+                             progress=not args.json and sys.stderr.isatty())
         start = time.perf_counter()
         with warnings.catch_warnings():  # the command prints its own NOT PRIVATE line
             warnings.filterwarnings("ignore", message="noise_seed is fixed", category=UserWarning)
             # Other warnings (e.g. a skipped damaged checkpoint) as one line each, no source line.
             warnings.showwarning = lambda message, *_a, **_k: print(f"jaxdp: warning: {message}", file=sys.stderr)
-            res = train(
-                model, ds, algorithm=args.algorithm, learning_rate=args.learning_rate,
-                noise_multiplier=None if sbcd else noise_multiplier,
-                radius=None if args.algorithm != "pnsgd" else args.radius, **sbcd,
-                batch_size=args.batch_size, passes=passes, delta=args.delta, order_seed=args.order_seed,
-                noise_seed=args.insecure_noise_seed, clip_norm=clip,
-                schedule=args.schedule.replace("-", "_") if not sbcd else "fixed", checkpoint_dir=args.checkpoint_dir,
-                resume=args.resume, devices=args.devices,
-                progress=not args.json and sys.stderr.isatty(),
-            )
+            res = train(model, ds, mechanism, delta=args.delta, order_seed=args.order_seed,
+                        noise_seed=args.insecure_noise_seed, options=options)
         total = time.perf_counter() - start
     except (ValueError, TypeError) as err:
         return error(_cli_message(str(err)))
     except FloatingPointError as err:  # TrainingDivergedError: a broken model gets no report
         return error(_cli_message(str(err)), status=1)
 
-    rep, led = res.privacy, res.state.ledger
+    rep, led = res.privacy, res.ledger
     worst = rep.summary()["worst"]
     plot = None if str(args.plot).lower() == "none" else args.plot
     payload = {
@@ -279,29 +282,17 @@ def run(args) -> int:
     return status
 
 
-def _noise_multiplier(args, num_records: int, passes: int) -> float:
-    """--noise-multiplier, or with --target-epsilon (DP-SGD) the calibrated one."""
+def _noise(args) -> dict:
+    """The mechanism's noise: --noise-multiplier (default 1), or --target-epsilon (calibrated by the mechanism)."""
     if args.target_epsilon is None:
-        return 1.0 if args.noise_multiplier is None else args.noise_multiplier
-    if args.algorithm != "dpsgd":
-        raise _Usage("--target-epsilon is supported with --algorithm dpsgd only (for PNSGD see "
-                     "calibrate_pnsgd_noise_std)")
+        return {"noise_multiplier": 1.0 if args.noise_multiplier is None else args.noise_multiplier}
+    if args.algorithm == "dpsbcd":
+        raise _Usage("--target-epsilon is not supported with --algorithm dpsbcd: give --noise-temperature")
     if args.noise_multiplier is not None:
         raise _Usage("give --noise-multiplier or --target-epsilon, not both")
     if not args.target_epsilon > 0 or math.isinf(args.target_epsilon):
         raise _Usage(f"--target-epsilon must be a positive number; got {args.target_epsilon}")
-    if not 1 <= args.batch_size <= num_records:
-        raise _Usage(f"--batch-size must be in [1, {num_records}] (the training records); got {args.batch_size}")
-    from .. import accounting
-
-    q = args.batch_size / num_records
-    num_steps = passes * math.ceil(num_records / args.batch_size)  # as train(algorithm="dpsgd") runs it
-    res = accounting.calibrate_noise_multiplier(args.target_epsilon, q, num_steps, args.delta)
-    nm = float(res.noise_multiplier)
-    if not math.isfinite(nm):
-        raise _Usage(f"--target-epsilon {args.target_epsilon:g} is not reachable at --delta {args.delta:g} with a "
-                     "noise multiplier up to 1e4")
-    return nm
+    return {"target_epsilon": args.target_epsilon}
 
 
 def _f(x: float) -> str:

@@ -51,20 +51,30 @@ from ._ledger import DPSGDLedger as DPSGDLedger
 from ._ledger import PrivacyLedger as PrivacyLedger
 from ._ledger import PrivacyReport as PrivacyReport
 from ._ledger import privacy_report as privacy_report
-from ._loop import TrainResult as TrainResult
-from ._loop import TrainState as TrainState
-from ._loop import TrainingDivergedError as TrainingDivergedError
-from ._loop import accuracy as accuracy
-from ._loop import train as train
+from ._config import RunOptions as RunOptions
+from ._dpsgd_mechanism import DPSGDMechanism as DPSGDMechanism
+from ._dpsgd_mechanism import DPSGDState as DPSGDState
+from ._driver import train as train
+from ._legacy import TrainState as TrainState
 from ._plan import PrivacyPlan as PrivacyPlan
 from ._plan import plan_privacy as plan_privacy
+from ._pnsgd import PNSGDMechanism as PNSGDMechanism
+from ._pnsgd import PNSGDState as PNSGDState
+from ._run import TrainingDivergedError as TrainingDivergedError
+from ._run import TrainResult as TrainResult
+from ._run import accuracy as accuracy
 
 __all__ += [
     "Checkpointer",
     "DPSGDLedger",
+    "DPSGDMechanism",
+    "DPSGDState",
+    "PNSGDMechanism",
+    "PNSGDState",
     "PrivacyLedger",
     "PrivacyPlan",
     "PrivacyReport",
+    "RunOptions",
     "TrainResult",
     "TrainState",
     "TrainingDivergedError",
@@ -89,12 +99,14 @@ __all__ += [
     "per_point_privacy",
 ]
 
-# DP-SBCD (Chen & Liu 2024): a standalone driver (per-record lifted state, block updates).
+# DP-SBCD (Chen & Liu 2024): per-record lifted state, block updates.
+from ._dpsbcd import DPSBCDMechanism as DPSBCDMechanism  # noqa: E402
 from ._dpsbcd import DPSBCDResult as DPSBCDResult  # noqa: E402
-from ._dpsbcd import train_dpsbcd as train_dpsbcd  # noqa: E402
+from ._dpsbcd import DPSBCDState as DPSBCDState  # noqa: E402
+from ._driver import train_dpsbcd as train_dpsbcd  # noqa: E402
 from ._ledger import DPSBCDLedger as DPSBCDLedger  # noqa: E402
 
-__all__ += ["DPSBCDLedger", "DPSBCDResult", "train_dpsbcd"]
+__all__ += ["DPSBCDLedger", "DPSBCDMechanism", "DPSBCDResult", "DPSBCDState", "train_dpsbcd"]
 
 # Data parallelism over devices (jax.sharding): the batch split, the noise drawn once.
 from ._parallel import data_parallel_mesh as data_parallel_mesh  # noqa: E402

@@ -39,18 +39,22 @@ from __future__ import annotations
 
 import functools
 import math
-import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import accounting
-from ..models import LipschitzMLP
-from ._loop import _secret_key, accuracy
+from flax import nnx
 
-__all__ = ["DPSBCDResult", "train_dpsbcd"]
+from .. import _validate, accounting
+from ..models import LipschitzMLP
+from ..models._lipschitz import _power_iteration
+from ._config import check_count, check_noise_or_target, check_positive, frozen_config, replace
+from ._ledger import DPSBCDLedger, privacy_report
+from ._run import FORMAT, Run, _plan, _segments, calibrate_to_target
+
+__all__ = ["DPSBCDMechanism", "DPSBCDResult", "DPSBCDState"]
 
 
 class DPSBCDResult(NamedTuple):
@@ -128,8 +132,6 @@ def _clipped_mean_grad(x, r, clip_norm, sign):
 
 def _power_rescale(w, u, rho, iterations):
     """Eq. 2 rescale W·min(ρ/λ̃, 1), λ̃ from the layers' own power iteration (carried u)."""
-    from ..models._lipschitz import _power_iteration
-
     tiny = jnp.finfo(w.dtype).tiny
     lam, u = _power_iteration(w, u, int(iterations))
     return w * jnp.minimum(rho / jnp.maximum(lam, tiny), 1.0).astype(w.dtype), u
@@ -189,13 +191,106 @@ def _make_segment(num_layers, batch_size, steps_per_pass, rhos, power_iterations
     return jax.jit(segment, static_argnames=("length",))
 
 
-def _check_dpsbcd_arguments(**given) -> None:
-    """Refuse ``train`` options that DP-SBCD does not use (never silently ignored)."""
-    defaults = {"schedule": "fixed", "drop_remainder": True, "return_intermediates": False}
-    for name, value in given.items():
-        if value is not None and value != defaults.get(name, None):
-            hint = " (its noise is noise_temperature)" if name == "noise_multiplier" else ""
-            raise ValueError(f"{name} is not used by algorithm='dpsbcd'{hint}; leave it at its default.")
+@frozen_config
+class DPSBCDMechanism:
+    r"""DP-SBCD (Chen & Liu 2024) of a :class:`~jaxdp.models.LipschitzMLP`: final weights released.
+
+    Closed-form activation blocks and noisy proximal weight steps
+    :math:`W ← (W − η\bar g + N(0, 2η\,o_t I))/(1 + ηλ)` over permute-once cyclic batches
+    (the module docstring lists the updates), per-record block gradients clipped at
+    ``clip_norm``; ε per record position is the paper's hidden-state bound for the record's
+    batch (:class:`~jaxdp.training.DPSBCDLedger`), which **sums the layers without proof**
+    and needs ``contraction`` :math:`L_F` as you state it (``docs/dpsbcd.md``). The
+    :math:`n \bmod b` records left over are never used (ε = 0).
+
+    **Noise.** Give ``noise_temperature`` :math:`o > 0` per pass ``(passes,)`` or per step
+    ``(passes, n // b)``, or ``target_epsilon``: one temperature for every step of
+    ``passes`` passes, the smallest whose reported worst-position ε is at most the target
+    (:attr:`TrainResult.mechanism <jaxdp.training.TrainResult>` holds it).
+
+    Attributes:
+      learning_rate: η > 0.
+      clip_norm: C > 0 (the block gradients' sensitivity is :math:`S_g = 2C`).
+      contraction: :math:`L_F > 0`, one value or one per layer (no default: the paper states none).
+      noise_temperature: o > 0 per pass or per step; or
+      target_epsilon: the worst-position ε to calibrate one temperature for.
+      batch_size: b ≥ 1.
+      passes: the number of passes (default: the length of ``noise_temperature``, else 1).
+      weight_decay: λ ≥ 0 of the proximal step (:math:`L_T = 1/(1+ηλ)`).
+      penalty: γ > 0 of the lifted objective (the paper uses 1).
+
+    References:
+      C. Chen, D. Liu, arXiv:2407.08233v1 (2024), Algorithms 1-2, eqs. 2, 4-8, Theorem 4.6.
+
+    Examples:
+      >>> DPSBCDMechanism(learning_rate=0.05, clip_norm=1.0, contraction=1.0, noise_temperature=[1e-3] * 2).passes
+      2
+    """
+
+    learning_rate: float
+    clip_norm: float
+    contraction: Any
+    noise_temperature: Any = None
+    target_epsilon: float | None = None
+    batch_size: int = 64
+    passes: int | None = None
+    weight_decay: float = 0.0
+    penalty: float = 1.0
+
+    def __post_init__(self):
+        check_noise_or_target("DPSBCDMechanism", "noise_temperature", self.noise_temperature, self.target_epsilon)
+        for name in ("learning_rate", "clip_norm", "penalty"):
+            check_positive(name, getattr(self, name))
+        _validate.check_in_range("weight_decay", self.weight_decay, 0.0, math.inf)
+        check_count("batch_size", self.batch_size)
+        contraction = np.asarray(self.contraction, dtype=np.float64)
+        if contraction.ndim > 1 or contraction.size == 0:
+            raise ValueError(f"contraction must be one value or one per layer; got shape {contraction.shape}.")
+        _validate.check_in_range("contraction", contraction, 0.0, math.inf, lo_open=True)
+        passes = self.passes
+        if passes is not None:
+            check_count("passes", passes)
+        if self.noise_temperature is not None:
+            temps = np.asarray(self.noise_temperature, dtype=np.float64)
+            bad = ~(np.isfinite(temps) & (temps > 0))
+            if np.any(bad):
+                idx = tuple(int(i) for i in np.argwhere(bad)[0])
+                raise ValueError(f"noise_temperature must be > 0 and finite at every step (a schedule that goes "
+                                 f"negative or to zero has no privacy); got {temps[idx]:g} at index {idx}.")
+            if temps.ndim > 2:
+                raise ValueError(f"noise_temperature must have shape (passes,) or (passes, n // batch_size); got "
+                                 f"shape {temps.shape}.")
+            if temps.ndim and passes is not None and passes != temps.shape[0]:
+                raise ValueError(f"passes must equal the length of noise_temperature ({temps.shape[0]}, one entry per "
+                                 f"pass); got {passes}.")
+            passes = int(temps.shape[0]) if temps.ndim else passes
+        object.__setattr__(self, "passes", 1 if passes is None else int(passes))
+
+
+class DPSBCDState(NamedTuple):
+    """Everything needed to continue a DP-SBCD run bit-identically (all checkpointed).
+
+    Attributes:
+      kernels: the layers' weights :math:`W_d`.
+      power_vectors: the power-iteration vectors of the spectral rescaling (eq. 2).
+      activations, preactivations: the lifted variables :math:`x_d` (d ≥ 1) and :math:`U_d`,
+        one row per record (derived from the raw records: never released).
+      key: the secret noise key (split every step).
+      step: steps done, ``int32``.
+      order: the public processing order.
+      max_grad_norm: largest unclipped per-record block gradient norm seen, float32.
+      clipped: number of per-record block gradients above :math:`C`, ``int32``.
+    """
+
+    kernels: Any
+    power_vectors: Any
+    activations: Any
+    preactivations: Any
+    key: jax.Array
+    step: jax.Array
+    order: jax.Array
+    max_grad_norm: jax.Array
+    clipped: jax.Array
 
 
 def _reason(ledger_kw, num_layers) -> str:
@@ -211,30 +306,15 @@ def _reason(ledger_kw, num_layers) -> str:
             f"released) needs none of these assumptions")
 
 
-def run_dpsbcd(model, x, y, x_test, y_test, *, learning_rate, noise_temperature, clip_norm, contraction,
-               weight_decay, penalty, batch_size, passes, delta, order_seed, noise_seed, steps_per_call,
-               checkpoint_dir, checkpoint_every, resume, progress, account, callback, fingerprint,
-               checkpoint_key=None):
-    """Run DP-SBCD; the driver behind ``train(..., algorithm="dpsbcd")`` (arguments validated there or here)."""
-    import warnings
-
-    from flax import nnx
-
-    from .. import _validate
-    from ._ledger import NOT_PRIVATE, DPSBCDLedger, privacy_report
-    from ._loop import TrainResult, TrainState, _check_finite, _open_checkpoints, _plan, _resume, _segments, _to_arrays
-
+def setup(mech: DPSBCDMechanism, model, x, y, x_bound, *, delta, order_seed, secret, fixed_seed, mesh,
+          options) -> Run:
+    """DP-SBCD on ``model`` and ``(x, y)``: ledger, initial state and the compiled segments."""
+    if mesh is not None:
+        raise ValueError("devices is not supported with DPSBCDMechanism (its per-record block updates run on one "
+                         "device); leave devices=None.")
     if not isinstance(model, LipschitzMLP):
-        raise ValueError(f"model must be a jaxdp.models.LipschitzMLP (bias-free ReLU network) with "
-                         f"algorithm='dpsbcd'; got {type(model).__name__}.")
-    for name, v in (("learning_rate", learning_rate), ("noise_temperature", noise_temperature),
-                    ("clip_norm", clip_norm), ("contraction", contraction)):
-        if v is None:
-            raise ValueError(f"{name} is required with algorithm='dpsbcd' (no default: the bound depends on it).")
-    _validate.check_in_range("learning_rate", learning_rate, 0.0, math.inf, lo_open=True)
-    _validate.check_in_range("clip_norm", clip_norm, 0.0, math.inf, lo_open=True)
-    _validate.check_in_range("weight_decay", weight_decay, 0.0, math.inf)
-    _validate.check_in_range("penalty", penalty, 0.0, math.inf, lo_open=True)
+        raise ValueError(f"model must be a jaxdp.models.LipschitzMLP (bias-free ReLU network) for "
+                         f"DPSBCDMechanism; got {type(model).__name__}.")
     layers = list(model.layers)
     num_layers = len(layers)
     k_in, k_out = layers[0].kernel[...].shape[0], layers[-1].kernel[...].shape[1]
@@ -242,63 +322,50 @@ def run_dpsbcd(model, x, y, x_test, y_test, *, learning_rate, noise_temperature,
         raise ValueError(f"x must have {k_in} features (the model's input width); got {x.shape[1]}.")
     if y.size and (not np.issubdtype(y.dtype, np.integer) or y.min() < 0 or y.max() >= k_out):
         raise ValueError(f"y must hold integer labels in [0, {k_out}); got {y.dtype} in [{y.min()}, {y.max()}].")
+    batch_size, passes = mech.batch_size, mech.passes
     plan = _plan(x.shape[0], batch_size, True)  # permute-once cyclic batches of equal size (Theorem 4.6)
     m = plan.steps_per_pass
-    temps = np.asarray(noise_temperature, dtype=np.float64)
-    if temps.ndim == 0:
-        temps = np.full(passes, float(temps))
-    elif passes not in (1, temps.shape[0]):
-        raise ValueError(f"passes must equal the length of noise_temperature ({temps.shape[0]}, one entry per "
-                         f"pass) or be left at 1; got {passes}.")
-    passes = int(temps.shape[0]) if temps.ndim else passes
-    contraction = np.asarray(contraction, dtype=np.float64)
-    if contraction.ndim > 1 or contraction.size not in (1, num_layers):
+    contraction = np.asarray(mech.contraction, dtype=np.float64)
+    if contraction.size not in (1, num_layers):
         raise ValueError(f"contraction must be one value or one per layer ({num_layers}); got shape "
                          f"{contraction.shape}.")
-    lt = 1.0 / (1.0 + float(learning_rate) * float(weight_decay))
-    ledger_kw = dict(learning_rate=float(learning_rate), noise_temperature=temps.tolist(),
-                     sensitivity=[2.0 * float(clip_norm)] * num_layers,
-                     contraction=np.broadcast_to(contraction, (num_layers,)).tolist(),
-                     prox_lipschitz=[lt] * num_layers)
-    # The accountant's checks, in NumPy (its eager computation would cost seconds of compilation).
-    bad = ~(np.isfinite(temps) & (temps > 0))
-    if np.any(bad):
-        idx = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(f"noise_temperature must be > 0 and finite at every step (a schedule that goes negative or "
-                         f"to zero has no privacy); got {temps[idx]:g} at index {idx}.")
-    if temps.ndim not in (1, 2) or (temps.ndim == 2 and temps.shape[1] != m):
+    learning_rate, clip_norm = float(mech.learning_rate), float(mech.clip_norm)
+    weight_decay, penalty = float(mech.weight_decay), float(mech.penalty)
+    lt = 1.0 / (1.0 + learning_rate * weight_decay)
+    ledger_kw = dict(learning_rate=learning_rate, noise_temperature=None, sensitivity=[2.0 * clip_norm] * num_layers,
+                     contraction=np.broadcast_to(contraction, (num_layers,)).tolist(), prox_lipschitz=[lt] * num_layers)
+    ledger = DPSBCDLedger(
+        analysis="dpsbcd", reason=_reason(ledger_kw, num_layers), **ledger_kw, clip_norm=clip_norm,
+        weight_decay=weight_decay, penalty=penalty, records=plan.records, unused=plan.n_total - plan.records,
+        batch_size=batch_size, passes=passes, steps_per_pass=m, total_steps=passes * m, steps_done=0,
+        delta=float(delta), order_seed=int(order_seed), fixed_noise_seed=fixed_seed, max_grad_norm=0.0)
+    if mech.noise_temperature is None:
+        def worst(o):
+            led = ledger._replace(noise_temperature=[float(o)] * passes, steps_done=passes * m)
+            return privacy_report(led).summary()["worst"]
+
+        temps = np.full(passes, calibrate_to_target(worst, float(mech.target_epsilon), 1e-3, "noise_temperature"))
+        mech = replace(mech, noise_temperature=temps.tolist(), target_epsilon=None)
+    temps = np.asarray(mech.noise_temperature, dtype=np.float64)
+    if temps.ndim == 0:
+        temps = np.full(passes, float(temps))
+    if temps.ndim == 2 and temps.shape[1] != m:
         raise ValueError(f"noise_temperature must have shape (passes,) or (passes, {m}) (one per step of each pass, "
                          f"{m} = number of records // batch_size); got shape {temps.shape}.")
-    _validate.check_in_range("contraction", contraction, 0.0, math.inf, lo_open=True)
-    if steps_per_call is None:
-        steps_per_call = m
-    if isinstance(steps_per_call, bool) or not isinstance(steps_per_call, (int, np.integer)) or steps_per_call < 1:
-        raise ValueError(f"steps_per_call must be a positive integer; got {steps_per_call!r}.")
-    if checkpoint_every is None:
-        checkpoint_every = m
-    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, (int, np.integer)) or checkpoint_every < 1:
-        raise ValueError(f"checkpoint_every must be a positive integer; got {checkpoint_every!r}.")
-    total = passes * m
+    ledger = ledger._replace(noise_temperature=temps.tolist())
+    steps_per_call = m if options.steps_per_call is None else options.steps_per_call
 
     graphdef, params0, rest = nnx.split(model, nnx.Param, ...)
     pdtype = layers[0].kernel[...].dtype
     config = {
-        "format": 1, "algorithm": "dpsbcd", "model": type(model).__qualname__,
-        "params": str(jax.tree.map(lambda a: (tuple(a.shape), str(a.dtype)), params0)), "data": fingerprint,
+        "format": FORMAT, "mechanism": "dpsbcd", "model": type(model).__qualname__,
+        "params": str(jax.tree.map(lambda a: (tuple(a.shape), str(a.dtype)), params0)),
         "rhos": [float(layer.max_spectral_norm) for layer in layers],
-        "power_iterations": int(layers[0].power_iterations), "clip_norm": float(clip_norm),
-        "weight_decay": float(weight_decay), "penalty": float(penalty), "batch_size": int(batch_size),
-        "delta": float(delta), "order_seed": int(order_seed), "steps_per_call": int(steps_per_call), **ledger_kw,
+        "power_iterations": int(layers[0].power_iterations), "clip_norm": clip_norm,
+        "weight_decay": weight_decay, "penalty": penalty, "batch_size": batch_size,
+        "delta": float(delta), "order_seed": int(order_seed), "steps_per_call": int(steps_per_call),
+        **{k: v for k, v in ledger._asdict().items() if k in ledger_kw},
     }
-    ckpt = _open_checkpoints(checkpoint_dir, resume, checkpoint_key)
-    if noise_seed is not None:
-        warnings.warn(f"noise_seed is fixed: {NOT_PRIVATE}.", UserWarning, stacklevel=3)
-    ledger = DPSBCDLedger(
-        analysis="dpsbcd", reason=_reason(ledger_kw, num_layers), **ledger_kw, clip_norm=float(clip_norm),
-        weight_decay=float(weight_decay), penalty=float(penalty), records=plan.records,
-        unused=plan.n_total - plan.records, batch_size=int(batch_size), passes=passes, steps_per_pass=m,
-        total_steps=total, steps_done=0, delta=float(delta), order_seed=int(order_seed),
-        fixed_noise_seed=noise_seed is not None, max_grad_norm=0.0)
 
     X = jnp.asarray(x, dtype=pdtype)
     Y = jnp.asarray(np.eye(k_out, dtype=np.dtype(pdtype))[y])
@@ -311,121 +378,33 @@ def run_dpsbcd(model, x, y, x_test, y_test, *, learning_rate, noise_temperature,
         h = jax.nn.relu(us[-1])
         xs.append(h)
     order = jax.random.permutation(jax.random.key(int(order_seed)), plan.n_total).astype(jnp.int32)
-    state = TrainState(params=kernels, opt_state=(vectors, tuple(xs), tuple(us), _secret_key(noise_seed)),
-                       step=jnp.zeros((), jnp.int32), order=order, total_steps=jnp.asarray(total, jnp.int32),
-                       max_grad_norm=jnp.zeros((), jnp.float32), clipped=jnp.zeros((), jnp.int32), ledger=ledger)
-    state, _ = _resume(ckpt, state, config, checkpoint_dir, DPSBCDLedger)
+    state = DPSBCDState(kernels=kernels, power_vectors=vectors, activations=tuple(xs), preactivations=tuple(us),
+                        key=secret, step=jnp.zeros((), jnp.int32), order=order, max_grad_norm=jnp.zeros((), jnp.float32),
+                        clipped=jnp.zeros((), jnp.int32))
 
-    segment = _make_segment(num_layers, int(batch_size), m, tuple(float(layer.max_spectral_norm) for layer in layers),
+    segment = _make_segment(num_layers, batch_size, m, tuple(float(layer.max_spectral_norm) for layer in layers),
                             int(layers[0].power_iterations))
     step_temps = jnp.asarray((np.repeat(temps[:, None], m, axis=1) if temps.ndim == 1 else temps).reshape(-1),
                              pdtype)
     scalars = tuple(jnp.asarray(v, pdtype) for v in (learning_rate, penalty, clip_norm, weight_decay))
 
-    start = int(state.step)
-    pbar = None
-    if progress:
-        from tqdm.auto import tqdm
+    def run(st: DPSBCDState, first, length, partial):
+        carry = (st.kernels, st.power_vectors, st.activations, st.preactivations, st.key, st.step, st.max_grad_norm,
+                 st.clipped)
+        c = segment(carry, X, Y, st.order, step_temps, jnp.asarray(first, jnp.int32), *scalars, length=length)
+        return DPSBCDState(*c[:6], st.order, c[6], c[7]), None
 
-        pbar = tqdm(total=total, initial=start, desc="DP-SBCD", unit="step", leave=True)
-        if account:  # the release's guarantee is fixed in advance: shown once (the same compiled shape as the end)
-            planned = privacy_report(state.ledger._replace(steps_done=total)).summary()["worst"]
-            pbar.set_postfix_str(f"eps at the end {planned:.3g} (worst position)")
-    history: list = []
-    last_saved = start
-    t0 = time.perf_counter()
-    try:
-        for first, length, _ in _segments(start, total, plan, int(steps_per_call)):
-            vecs, xs, us, key = state.opt_state
-            carry = (state.params, vecs, xs, us, key, state.step, state.max_grad_norm, state.clipped)
-            carry = segment(carry, X, Y, state.order, step_temps, jnp.asarray(first, jnp.int32), *scalars,
-                            length=length)
-            _check_finite(carry[0], carry[6], "DP-SBCD")
-            steps_done = int(carry[5])
-            led = state.ledger._replace(steps_done=steps_done, max_grad_norm=float(carry[6]))
-            state = state._replace(params=carry[0], opt_state=carry[1:5], step=carry[5], max_grad_norm=carry[6],
-                                   clipped=carry[7], ledger=led)
-            done = steps_done >= total
-            if ckpt is not None and (done or steps_done - last_saved >= checkpoint_every):
-                ckpt.save_train(steps_done, _to_arrays(state), {"ledger": led.to_json(), "config": config})
-                last_saved = steps_done
-            if pbar is not None:
-                pbar.update(length)
-            if callback is not None:
-                callback(state)
-    finally:
-        if pbar is not None:
-            pbar.close()
-        if ckpt is not None:
-            ckpt.close()
-    seconds = time.perf_counter() - t0
+    def after(led: DPSBCDLedger, st: DPSBCDState) -> DPSBCDLedger:
+        return led._replace(steps_done=int(st.step), max_grad_norm=float(st.max_grad_norm))
 
-    trained = nnx.merge(graphdef, params0, rest)  # a new module: the input is untouched
-    for layer, w, u in zip(trained.layers, state.params, state.opt_state[0]):
-        layer.kernel[...] = w
-        layer.power_vector[...] = u
-    trained.rescale()  # eq. 2 once more on the released weights (post-processing)
-    report = privacy_report(state.ledger) if account else None
-    if report is not None:
-        history.append((int(state.step), report.summary()))
-    if progress and report is not None:
-        worst = report.summary()["worst"]
-        head = f"{NOT_PRIVATE}\n" if report.not_private else ""
-        print(f"{head}guarantee of the released model: epsilon = {worst:.4g} at delta = {report.delta:g} for every "
-              f"record (worst batch position), by {report.analysis}\n  assumptions: {report.reason}")
-        print(report.table())
-    test_acc = None
-    if x_test is not None and len(x_test):
-        test_acc = accuracy(trained, np.asarray(x_test, dtype=np.dtype(pdtype)), np.asarray(y_test))
-    return TrainResult(trained, state, report, test_acc, None, history, seconds)
+    def released(st: DPSBCDState):
+        trained = nnx.merge(graphdef, params0, rest)  # a new module: the input is untouched
+        for layer, w, u in zip(trained.layers, st.kernels, st.power_vectors):
+            layer.kernel[...] = w
+            layer.power_vector[...] = u
+        trained.rescale()  # eq. 2 once more on the released weights (post-processing)
+        return trained
 
-
-def train_dpsbcd(model: LipschitzMLP, data, *, learning_rate: float, noise_temperature, clip_norm: float,
-                 contraction, batch_size: int, delta: float, weight_decay: float = 0.0, penalty: float = 1.0,
-                 order_seed: int = 0, noise_seed: int | None = None) -> DPSBCDResult:
-    r"""Shortcut: ``train(model, data, algorithm="dpsbcd", ...)`` without progress output, as a :class:`DPSBCDResult`.
-
-    The same run as :func:`~jaxdp.training.train` with ``algorithm="dpsbcd"`` (one loop:
-    this function only forwards its arguments and repackages the result; use ``train`` for
-    checkpoints, resume, progress and the full :class:`~jaxdp.training.PrivacyReport`). See
-    the module docstring for the updates and ``train`` for the guarantee.
-
-    Args:
-      model: a :class:`~jaxdp.models.LipschitzMLP` (its kernels are the start, not modified).
-      data: a :class:`jaxdp.data.Dataset` or ``(x, y)`` with integer labels in [0, K).
-      learning_rate: η > 0.
-      noise_temperature: o > 0 per pass ``(passes,)`` or per step ``(passes, n // b)``.
-      clip_norm: C > 0.
-      contraction: :math:`L_F > 0` (required; one value or one per layer).
-      batch_size: b ≥ 1, at most n.
-      delta: δ in (0, 1).
-      weight_decay: λ ≥ 0. penalty: γ > 0. order_seed: public seed of the permutation.
-      noise_seed: a fixed noise key (the run is then NOT private); default OS entropy.
-
-    Returns:
-      :class:`DPSBCDResult` (``epsilon`` is the worst record position's, the release's guarantee).
-
-    References:
-      C. Chen, D. Liu, arXiv:2407.08233v1 (2024), Algorithms 1-2, eqs. 2, 4-8, Theorem 4.6.
-
-    Examples:
-      >>> import numpy as np
-      >>> from flax import nnx
-      >>> from jaxdp.models import LipschitzMLP
-      >>> rng = np.random.default_rng(0)
-      >>> x = rng.normal(size=(40, 3)).astype(np.float32); y = (x[:, 0] > 0).astype(int)
-      >>> model = LipschitzMLP((3, 8, 2), rngs=nnx.Rngs(0), max_spectral_norm=2.0)
-      >>> res = train_dpsbcd(model, (x, y), learning_rate=0.05, noise_temperature=[1e-3] * 2,
-      ...                    clip_norm=1.0, contraction=1.0, batch_size=10, delta=1e-5, noise_seed=0)
-      >>> bool(np.isfinite(res.epsilon))
-      True
-    """
-    from ._loop import train
-
-    res = train(model, data, algorithm="dpsbcd", learning_rate=learning_rate, noise_temperature=noise_temperature,
-                clip_norm=clip_norm, contraction=contraction, batch_size=batch_size, delta=delta,
-                weight_decay=weight_decay, penalty=penalty, order_seed=order_seed, noise_seed=noise_seed,
-                progress=False)
-    rep = res.privacy
-    return DPSBCDResult(res.model, rep.summary()["worst"], float(delta), res.state.ledger.event(), res.test_accuracy,
-                        res.seconds)
+    return Run(name="DP-SBCD", mechanism=mech, state=state, ledger=ledger, config=config, steps_per_pass=m,
+               public_total=passes * m, segments=lambda start, stop: _segments(start, stop, plan, steps_per_call),
+               run=run, after=after, model=released, pdtype=pdtype, report_at=lambda s: s % m == 0)

@@ -28,20 +28,28 @@ Which guarantee is reported:
 
 from __future__ import annotations
 
-import functools
-import math
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from ..accounting import (
+    DEFAULT_ORDERS,
+    PNSGD,
+    pnsgd_privacy,
+    rdp_to_epsilon,
+    step_contraction,
+    stop_pnsgd_contraction_epsilon,
+    stop_pnsgd_iteration_rdp,
+)
+from ._ledger_dp import DPSBCDLedger, DPSGDLedger, _dpsbcd_report, _dpsgd_report
+from ._report import NOT_PRIVATE as NOT_PRIVATE
+from ._report import PrivacyReport
 
 __all__ = ["DPSBCDLedger", "DPSGDLedger", "PrivacyLedger", "PrivacyReport", "privacy_report"]
 
 _HIDDEN = "hidden-state"
 _STOP = "random-stop"
 _COMPOSITION = "composition"
-NOT_PRIVATE = ("NOT PRIVATE: the noise came from a fixed noise_seed, so anyone who knows it can regenerate the "
-               "noise and remove it; the epsilon below holds only if that seed is secret (use for tests and "
-               "reproductions only)")
 
 
 class PrivacyLedger(NamedTuple):
@@ -112,26 +120,40 @@ class PrivacyLedger(NamedTuple):
     max_grad_norm: float
     intermediates_released: bool
 
-    def to_json(self) -> dict[str, Any]:
-        """The ledger as a JSON-ready dict, secrets included: for checkpoints only (see :meth:`public`)."""
-        return {k: v for k, v in self._asdict().items()}
-
     def public(self) -> dict[str, Any]:
-        """What a report, JSON, log or plot may show.
+        """What a report, log, JSON or plot may show: every field but the secret ones.
 
-        With random stopping the number of steps is secret, and so is what depends on it
-        (the step counters, the clipping count and the largest gradient norm seen): they
+        With ``schedule="random_stop"`` the number of steps is secret, and so is what depends on
+        it (the step counters, the clipping count and the largest gradient norm seen): they
         are left out.
         """
-        out = self.to_json()
-        if self.schedule == "random_stop":
-            for name in _SECRET_WITH_RANDOM_STOP:
-                out.pop(name)
-        return out
+        secret = _SECRET_WITH_RANDOM_STOP if self.schedule == "random_stop" else ()
+        return {k: v for k, v in self._asdict().items() if k not in secret}
+
+    def to_json(self) -> dict[str, Any]:
+        """The public ledger as a JSON-ready dict (:meth:`public`; checkpoints store ``_asdict()``)."""
+        return self.public()
+
+    def event(self, passes: int | None = None) -> PNSGD:
+        """The :class:`~jaxdp.accounting.PNSGD` event of the first ``passes`` passes (default: all planned).
+
+        ``hidden`` is False once the analysis is composition (every iterate may be released,
+        or the update is not known to be a contraction). Random stopping has an event only
+        for ``batch_size=1`` (the accountant's stop analyses are stated per record);
+        :func:`privacy_report` covers batches.
+        """
+        p = self.passes if passes is None else int(passes)
+        hidden = self.analysis != _COMPOSITION
+        if self.schedule == "random_stop" and self.batch_size != 1:
+            raise ValueError("random stopping with batch_size > 1 has no accounting event; use privacy_report(ledger).")
+        smoothness = self.smoothness if (hidden and self.smoothness is not None) else 1.0 / self.learning_rate
+        return PNSGD(self.lipschitz, smoothness, self.learning_rate, self.noise_std, self.diameter,
+                     num_records=int(self.records), strong_convexity=self.strong_convexity if hidden else 0.0,
+                     batch_size=int(self.batch_size), passes=p, schedule=self.schedule, hidden=hidden)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> PrivacyLedger:
-        """Inverse of :meth:`to_json`."""
+        """The ledger from a dict of every field (as a checkpoint stores it, ``ledger._asdict()``)."""
         return cls(**{k: data[k] for k in cls._fields})
 
 
@@ -161,103 +183,6 @@ def _clipping_reason(ledger: PrivacyLedger) -> str | None:
     return None
 
 
-class PrivacyReport(NamedTuple):
-    """ε per record position (1-based, in the order the records are processed).
-
-    Attributes:
-      analysis: the guarantee reported (``"hidden-state"``, ``"random-stop"`` or
-        ``"composition"``).
-      reason: why this analysis.
-      delta: the δ of every ε.
-      steps_done: steps accounted for; ``None`` for random stopping, whose number of steps
-        is secret (the guarantee covers the randomly stopped pass whatever it was).
-      positions: int array ``1..n``.
-      epsilon: the reported ε per position (the best valid bound for ``analysis``).
-      composition: ε per position if every iterate were released (always valid).
-      amplified: ε per position of the amplified analysis (best of contraction,
-        iteration, strongly convex, shifted-interpolation GDP and composition; for random stopping, Asoodeh et al.
-        Theorem 5, Feldman et al. Theorem 26 and composition), or ``None`` when its
-        assumptions do not hold.
-      by_analysis: every analysis computed, name → ε per position.
-      unused: records never used (ε = 0), not included in ``positions``.
-      exact: False when the bound is a conservative stand-in (mid-pass after the first
-        pass: composition over the pass in progress).
-      not_private: True when the run's noise came from a fixed, known ``noise_seed``
-        (:attr:`PrivacyLedger.fixed_noise_seed`): the ε values then hold only if that seed
-        is secret, and the report says so first.
-    """
-
-    analysis: str
-    reason: str
-    delta: float
-    steps_done: int | None
-    positions: np.ndarray
-    epsilon: np.ndarray
-    composition: np.ndarray
-    amplified: np.ndarray | None
-    by_analysis: dict
-    unused: int
-    exact: bool
-    not_private: bool = False
-
-    def summary(self, values: np.ndarray | None = None) -> dict[str, float]:
-        """Best (smallest), median and worst (largest) ε over the positions."""
-        v = np.asarray(self.epsilon if values is None else values, dtype=np.float64)
-        if v.size == 0:
-            return {"best": 0.0, "median": 0.0, "worst": 0.0}
-        return {"best": float(np.min(v)), "median": float(np.median(v)), "worst": float(np.max(v))}
-
-    def record_epsilon(self, order) -> np.ndarray:
-        """ε per record of the original data set: ``order[p-1]`` is the record at position p.
-
-        Records never used get 0.
-        """
-        order = np.asarray(order)
-        out = np.zeros(order.shape[0], dtype=np.float64)
-        out[order[: self.epsilon.shape[0]]] = self.epsilon
-        return out
-
-    def table(self) -> str:
-        """A text table: best / median / worst ε over positions for each analysis."""
-        rows = [("analysis", "best", "median", "worst")]
-        # An analysis no better than composition anywhere is vacuous for this run: named, not printed
-        # (a headline of 4.6e5 or inf helps nobody).
-        comp = np.asarray(self.composition, dtype=np.float64)
-        hidden = []
-        for name, values in self.by_analysis.items():
-            v = np.asarray(values, dtype=np.float64)
-            if name not in ("best", "composition") and v.size and not np.any(v < comp):
-                hidden.append(name)
-                continue
-            s = self.summary(values)
-            rows.append((name, *(_fmt(s[k]) for k in ("best", "median", "worst"))))
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-                 for r in rows]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        run = ("of one pass stopped at a secret uniform step" if self.steps_done is None
-               else f"after {self.steps_done} steps")
-        head = f"epsilon per record position at delta={self.delta:g} {run}; reported: {self.analysis}"
-        if self.not_private:
-            head = f"{NOT_PRIVATE}\n{head}"
-        tail = [f"reason: {self.reason}"]
-        if hidden:
-            tail.append(f"not shown (no better than composition for any record here): {', '.join(hidden)}")
-        if self.unused:
-            tail.append(f"{self.unused} record(s) never used (epsilon = 0), not listed")
-        if not self.exact:
-            tail.append("mid-pass: composition over the pass in progress (exact bounds at pass ends)")
-        return "\n".join([head, *lines, *tail])
-
-
-def _fmt(x: float) -> str:
-    if math.isinf(x):
-        return "inf"
-    if math.isnan(x):
-        return "nan"
-    return f"{x:.4g}"
-
-
 # ----------------------------------------------------------------------------------------
 # The one place that calls the hidden-state accountant.
 # ----------------------------------------------------------------------------------------
@@ -272,8 +197,6 @@ def _pnsgd_epsilons(*, lipschitz, smoothness, strong_convexity, learning_rate, n
     returned; it depends on neither β nor η nor D, so a stand-in smoothness ``1/η`` (which
     makes the step valid) is passed when β is unknown.
     """
-    from ..accounting import pnsgd_privacy
-
     if not amplified or smoothness is None:
         smoothness, strong_convexity = 1.0 / float(learning_rate), 0.0
     out = pnsgd_privacy(
@@ -305,13 +228,6 @@ def _stop_epsilons(ledger: PrivacyLedger) -> dict[str, np.ndarray]:
       :math:`T` is bounded by Lemma 25. Converted to ε over ``DEFAULT_ORDERS`` with the
       improved conversion.
     """
-    from ..accounting import (
-        DEFAULT_ORDERS,
-        rdp_to_epsilon,
-        step_contraction,
-        stop_pnsgd_contraction_epsilon,
-        stop_pnsgd_iteration_rdp,
-    )
 
     n, b, m = ledger.records, ledger.batch_size, ledger.steps_per_pass
     b_min = min(b, n - (m - 1) * b)
@@ -346,7 +262,7 @@ def privacy_report(ledger: PrivacyLedger | DPSGDLedger | DPSBCDLedger, accountan
     reported whatever the progress: it does not depend on the drawn :math:`T`.
 
     Args:
-      ledger: a :class:`PrivacyLedger` (e.g. ``result.state.ledger``).
+      ledger: a :class:`PrivacyLedger` (e.g. ``result.ledger``).
       accountant: ``"rdp"`` (default) or, for a :class:`DPSGDLedger` only, ``"pld"``: the
         report then leads with the PLD upper bound (:func:`jaxdp.accounting.pld_epsilon`,
         tighter) and lists the RDP value as a second line.
@@ -433,274 +349,3 @@ def _report(ledger: PrivacyLedger) -> PrivacyReport:
     reason = ledger.reason if exact else "mid-pass after the first pass; " + ledger.reason
     return PrivacyReport(analysis, reason, ledger.delta, s, positions, eps, comp, amp if exact else None, by,
                          ledger.unused, exact)
-
-
-# ----------------------------------------------------------------------------------------
-# DP-SGD runs
-# ----------------------------------------------------------------------------------------
-
-_DPSGD = "dpsgd"
-
-
-class DPSGDLedger(NamedTuple):
-    r"""What a DP-SGD run has spent, in the accountant's terms (JSON-serialisable).
-
-    The guarantee is the Poisson-subsampled Gaussian mechanism composed over the steps done
-    (:func:`jaxdp.accounting.dpsgd_epsilon` with ``(q, noise_multiplier, steps_done)``),
-    add/remove neighbours, every intermediate model possibly released; it is the same for
-    every record.
-
-    Attributes:
-      analysis: ``"dpsgd"``.
-      reason: the assumptions, for the report.
-      q: Poisson sampling rate (``batch_size / records``).
-      noise_multiplier: :math:`\nu`, noise std over the clip norm :math:`C` on the clipped
-        sum (as in Opacus and dp_accounting).
-      clip_norm: :math:`C`.
-      learning_rate: the SGD learning rate, or ``None`` with a user's optax optimizer.
-      batch_size: the expected batch size :math:`qN`.
-      records: :math:`N`.
-      passes: planned passes (:math:`T = \mathrm{passes}\cdot\lceil N/b\rceil` steps).
-      steps_per_pass: :math:`\lceil N/b\rceil`.
-      total_steps: :math:`T`.
-      steps_done: steps done so far.
-      capacity: static padded batch size (speed only; overflow runs a second chunk).
-      delta: target :math:`\delta`.
-      order_seed: unused by DP-SGD's sampling (kept for the model's public initialisation).
-      fixed_noise_seed: ``True`` when the noise and the sampling came from a fixed seed
-        (then **not private**).
-      max_grad_norm: the largest unclipped per-example gradient norm seen so far.
-    """
-
-    analysis: str
-    reason: str
-    q: float
-    noise_multiplier: float
-    clip_norm: float
-    learning_rate: float | None
-    batch_size: int
-    records: int
-    passes: int
-    steps_per_pass: int
-    total_steps: int
-    steps_done: int
-    capacity: int
-    delta: float
-    order_seed: int
-    fixed_noise_seed: bool
-    max_grad_norm: float
-
-    unused = 0  # every record can be sampled
-
-    def to_json(self) -> dict[str, Any]:
-        """The ledger as a JSON-ready dict."""
-        return dict(self._asdict())
-
-    def public(self) -> dict[str, Any]:
-        """What a report, JSON, log or plot may show (everything: this run has no secret count)."""
-        return self.to_json()
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> DPSGDLedger:
-        """Inverse of :meth:`to_json`."""
-        return cls(**{k: data[k] for k in cls._fields})
-
-
-def _dpsgd_report(ledger: DPSGDLedger, accountant: str = "rdp") -> PrivacyReport:
-    from ..accounting import dpsgd_epsilon, dpsgd_event, pld_epsilon
-
-    if accountant not in ("rdp", "pld"):
-        raise ValueError(f"accountant must be 'rdp' or 'pld'; got {accountant!r}.")
-    n = ledger.records
-    positions = np.arange(1, n + 1)
-    eps = float(dpsgd_epsilon(ledger.q, ledger.noise_multiplier, ledger.steps_done, ledger.delta)) \
-        if ledger.steps_done > 0 else 0.0
-    values = np.full(n, eps)
-    by = {"dpsgd (sampled Gaussian RDP)": values}
-    if accountant == "pld":
-        eps_pld = float(pld_epsilon(dpsgd_event(ledger.q, ledger.noise_multiplier, ledger.steps_done),
-                                    ledger.delta)) if ledger.steps_done > 0 else 0.0
-        values = np.full(n, eps_pld)
-        by = {"dpsgd (sampled Gaussian PLD, upper bound)": values, **by}
-    return PrivacyReport(_DPSGD, ledger.reason, ledger.delta, ledger.steps_done, positions, values, values, None,
-                         by, 0, True, bool(ledger.fixed_noise_seed))
-
-
-# ----------------------------------------------------------------------------------------
-# DP-SBCD runs
-# ----------------------------------------------------------------------------------------
-
-_DPSBCD = "dpsbcd"
-_DPSBCD_HIDDEN = "dpsbcd hidden-state (Chen & Liu Thm 4.6, layers summed)"
-_DPSBCD_COMPOSITION = "composition"
-
-
-class DPSBCDLedger(NamedTuple):
-    r"""What a DP-SBCD run has spent, in the accountant's terms (JSON-serialisable).
-
-    The reported guarantee is :func:`jaxdp.accounting.dpsbcd_rdp` **per batch position**
-    (``batch_index`` :math:`j_0`, the record's batch in the public order; all positions at
-    once with :func:`jaxdp.accounting.dpsbcd_rdp_per_batch`) over the passes
-    done, converted with :func:`jaxdp.accounting.rdp_to_epsilon`; the worst position is
-    the release's guarantee. The order comes from the public ``order_seed``, so the
-    paper's mixture over a uniformly random :math:`j_0` (:func:`~jaxdp.accounting.dpsbcd_epsilon`,
-    Theorem 4.6) does not apply: the worst position is at least that value. It rests on
-    the paper's **unproven per-layer summation** and its LSI assumption (see
-    :func:`~jaxdp.accounting.dpsbcd_rdp`). The report also lists the composition bound
-    (every iterate released: each layer's step is a Gaussian mechanism with sensitivity
-    :math:`S_g/b`, composed over layers and uses), which needs neither assumption.
-
-    Attributes:
-      analysis: ``"dpsbcd"``.
-      reason: the assumptions, for the report.
-      learning_rate: η.
-      noise_temperature: o, per pass ``[passes]`` or per step ``[passes][steps_per_pass]``.
-      sensitivity: :math:`S_g = 2C` per layer.
-      contraction: :math:`L_F` per layer, as stated by the user.
-      prox_lipschitz: :math:`L_T = 1/(1 + ηλ)` per layer.
-      clip_norm: :math:`C`.
-      weight_decay: λ.
-      penalty: γ of the lifted objective.
-      records: records used per pass (:math:`m b`).
-      unused: records never used (the :math:`n \bmod b` left over), ε = 0.
-      batch_size: b.
-      passes: planned passes.
-      steps_per_pass: :math:`m = \lfloor n/b\rfloor`.
-      total_steps: ``passes·m``.
-      steps_done: steps done so far.
-      delta: target δ.
-      order_seed: public seed of the one permutation.
-      fixed_noise_seed: ``True`` when the noise came from a fixed seed (then **not private**).
-      max_grad_norm: largest unclipped per-record block gradient norm seen so far.
-    """
-
-    analysis: str
-    reason: str
-    learning_rate: float
-    noise_temperature: list
-    sensitivity: list
-    contraction: list
-    prox_lipschitz: list
-    clip_norm: float
-    weight_decay: float
-    penalty: float
-    records: int
-    unused: int
-    batch_size: int
-    passes: int
-    steps_per_pass: int
-    total_steps: int
-    steps_done: int
-    delta: float
-    order_seed: int
-    fixed_noise_seed: bool
-    max_grad_norm: float
-
-    def to_json(self) -> dict[str, Any]:
-        """The ledger as a JSON-ready dict."""
-        return dict(self._asdict())
-
-    def public(self) -> dict[str, Any]:
-        """What a report, JSON, log or plot may show (everything: this run has no secret count)."""
-        return self.to_json()
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> DPSBCDLedger:
-        """Inverse of :meth:`to_json`."""
-        return cls(**{k: data[k] for k in cls._fields})
-
-    def event(self, passes: int | None = None):
-        """The :class:`~jaxdp.accounting.DPSBCD` event of the first ``passes`` passes (default: all planned)."""
-        from ..accounting import DPSBCD
-
-        p = self.passes if passes is None else int(passes)
-        return DPSBCD(np.asarray(self.noise_temperature, np.float64)[:p], float(self.learning_rate),
-                      np.asarray(self.sensitivity, np.float64), np.asarray(self.contraction, np.float64),
-                      np.asarray(self.prox_lipschitz, np.float64), num_records=int(self.records),
-                      batch_size=int(self.batch_size))
-
-
-@functools.lru_cache(maxsize=8)
-def _dpsbcd_epsilons_fn(num_layers: int, passes: int, per_step: bool, num_records: int, batch_size: int):
-    """A jitted ``(temps, eta, sensitivity, contraction, prox_lipschitz, used, delta) -> (hidden, composition)``.
-
-    Both are ε per batch position, shape ``(m,)``; ``used`` is the ``(passes, m)`` mask of
-    the steps done (composition). One compiled call instead of many eager ones (cached on
-    shapes only; traced inside an x64 scope, so float64 throughout).
-    """
-    import jax
-    import jax.numpy as jnp
-
-    from ..accounting import DEFAULT_ORDERS, dpsbcd_rdp_per_batch, rdp_to_epsilon
-
-    m = num_records // batch_size
-    orders = np.asarray(DEFAULT_ORDERS, np.float64)
-
-    def fn(temps, eta, sensitivity, contraction, prox_lipschitz, used, delta):
-        kw = dict(learning_rate=eta, sensitivity=sensitivity, contraction=contraction, prox_lipschitz=prox_lipschitz,
-                  num_records=num_records, batch_size=batch_size)
-        # The per-position RDP is linear in the order, α·c_j: one order gives c_j. All m
-        # positions in one call (shared LSI constants and decay sums: O(passes·m), one scan).
-        c = dpsbcd_rdp_per_batch([2.0], temps, **kw)[:, 0] / 2.0
-        per_step_temps = temps if per_step else jnp.repeat(temps[:, None], m, axis=1)
-        # Composition: each use is, per layer, a Gaussian mechanism with RDP α ηS²/(4b²o)
-        # (noise std sqrt(2ηo) on a step moved by ηS/b), summed over layers and uses.
-        comp = jnp.sum(jnp.where(used, eta * jnp.sum(sensitivity**2) / (4.0 * batch_size**2 * per_step_temps), 0.0),
-                       axis=0)
-
-        def eps(cj):
-            return rdp_to_epsilon(orders * cj, orders, delta).epsilon
-
-        return jax.vmap(eps)(c), jnp.where(comp > 0, jax.vmap(eps)(comp), 0.0)
-
-    return jax.jit(fn)
-
-
-def _dpsbcd_report(ledger: DPSBCDLedger) -> PrivacyReport:
-    r"""ε per record position of a DP-SBCD run after ``steps_done`` steps.
-
-    At a pass boundary (:math:`p` passes done): the hidden-state bound of the first
-    :math:`p` passes for the record's batch position, and the composition bound
-    :math:`ρ(α) = α\sum_{\text{layers}}\sum_{k<p} ηS_g^2/(4b^2o_{km+j_0})` (the Gaussian
-    mechanism of every touching step; no LSI, no per-layer assumption). Inside a pass no
-    hidden-state bound is certified (``exact=False``): composition over the steps done.
-    """
-    import jax
-
-    n, b, m = ledger.records, ledger.batch_size, ledger.steps_per_pass
-    positions = np.arange(1, n + 1)
-    s = int(ledger.steps_done)
-    p, t = divmod(s, m)
-    record_batch = np.arange(n) // b
-    temps = np.asarray(ledger.noise_temperature, np.float64)
-    used = np.zeros((ledger.passes, m), bool)
-    used.reshape(-1)[:s] = True
-    sens = np.asarray(ledger.sensitivity, np.float64)
-    fn = _dpsbcd_epsilons_fn(sens.size, ledger.passes, temps.ndim == 2, n, b)
-    args = (float(ledger.learning_rate), sens, np.asarray(ledger.contraction, np.float64),
-            np.asarray(ledger.prox_lipschitz, np.float64))
-    with jax.enable_x64(True):
-        # All planned passes (one compiled shape; steps not done are masked for composition). The
-        # hidden-state bound of the first p < passes passes needs its own shape.
-        hid, comp = fn(temps, *args, used, float(ledger.delta))
-        if 0 < p < ledger.passes and t == 0:
-            fn_p = _dpsbcd_epsilons_fn(sens.size, p, temps.ndim == 2, n, b)
-            hid, _ = fn_p(temps[:p], *args, used[:p], float(ledger.delta))
-    comp = np.asarray(comp, np.float64)[record_batch]
-    exact = t == 0
-    if s == 0:
-        hidden = np.zeros(n)
-    elif exact:
-        # The hidden-state bound never exceeds composition in exact arithmetic; keep the smaller.
-        hidden = np.minimum(np.asarray(hid, np.float64)[record_batch], comp)
-    else:
-        hidden = None
-    if hidden is None:
-        by = {_DPSBCD_COMPOSITION: comp}
-        analysis, reason = _DPSBCD_COMPOSITION, "mid-pass (hidden-state bound at pass ends only); " + ledger.reason
-        eps = comp
-    else:
-        by = {_DPSBCD_HIDDEN: hidden, _DPSBCD_COMPOSITION: comp}
-        analysis, reason, eps = _DPSBCD, ledger.reason, hidden
-    return PrivacyReport(analysis, reason, ledger.delta, s, positions, eps, comp, hidden, by, ledger.unused, exact,
-                         bool(ledger.fixed_noise_seed))

@@ -209,12 +209,6 @@ def parallel_clipped_grad_sum(loss_fn, model_or_params, batch, clip_norm, mesh: 
     return ClippedGrads(grad_sum, norms[:b])
 
 
-def _replicate_state(state, mesh: Mesh):
-    """A :class:`~jaxdp.training.TrainState` with every array field replicated over ``mesh``."""
-    fields = ("params", "opt_state", "step", "order", "total_steps", "max_grad_norm", "clipped", "sample_key")
-    return state._replace(**{f: replicate(getattr(state, f), mesh) for f in fields if getattr(state, f) is not None})
-
-
 def _same_secret_on_all_processes(key: jax.Array) -> jax.Array:
     """The secret key of process 0 on every process (multi-host); the key itself on one process.
 
@@ -224,7 +218,7 @@ def _same_secret_on_all_processes(key: jax.Array) -> jax.Array:
     """
     if jax.process_count() == 1:
         return key
-    from jax.experimental import multihost_utils
+    from jax.experimental import multihost_utils  # lazy: only with several processes
 
     data = multihost_utils.broadcast_one_to_all(np.asarray(jax.random.key_data(key)))
     return jax.random.wrap_key_data(jnp.asarray(data), impl=jax.random.key_impl(key))
@@ -234,7 +228,7 @@ def _check_same_data(fingerprint: str) -> None:
     """Multi-host: every process must hold the same training set (refused otherwise)."""
     if jax.process_count() == 1:
         return
-    from jax.experimental import multihost_utils
+    from jax.experimental import multihost_utils  # lazy: only with several processes
 
     digest = np.frombuffer(bytes.fromhex(fingerprint), dtype=np.uint8)
     try:

@@ -10,7 +10,7 @@ for a whole data set in fixed-size jitted chunks (the dense-layer fast path of
 :func:`~jaxdp.training.clipped_grad_sum` when it applies, ``vmap(grad)`` otherwise), so the
 working set is set by ``chunk_size``, not by the number of records.
 :func:`clipped_norms_at_checkpoints` does it for every checkpoint that
-``train(..., algorithm="dpsgd", checkpoint_dir=...)`` kept, and :func:`per_point_privacy`
+``train(..., DPSGDMechanism(...), options=RunOptions(checkpoint_dir=...))`` kept, and :func:`per_point_privacy`
 turns the result into per-point ε, always next to the data-independent ε of the release.
 
 Measured on the project's shared 2-core CPU (jax 0.10.2), 60,000 MNIST-shaped records
@@ -35,9 +35,12 @@ import numpy as np
 from flax import nnx
 
 from .. import _validate
+from .. import accounting as acc
 from ._checkpoint import Checkpointer
 from ._clipping import clipped_grad_sum
 from ._ledger import DPSGDLedger, privacy_report
+from ._plan import declared_loss_fn
+from ._run import _fingerprint, _unpack_data
 
 __all__ = [
     "CheckpointNorms",
@@ -71,8 +74,6 @@ def _check_chunk_size(chunk_size) -> int:
 
 
 def _xy(data) -> tuple[np.ndarray, np.ndarray]:
-    from ._loop import _unpack_data
-
     x, y, *_ = _unpack_data(data)
     x, y = np.asarray(x), np.asarray(y)
     if x.ndim < 1 or y.shape[:1] != x.shape[:1] or x.shape[0] == 0:
@@ -181,7 +182,7 @@ def clipped_norms_at_checkpoints(model: nnx.Module, data, checkpoint_dir, *, los
                                  progress: Callable[[int, int], None] | None = None) -> CheckpointNorms:
     r"""Per-point clipped norms :math:`r_i` on every model a DP-SGD run checkpointed.
 
-    Reads the checkpoints that ``train(model, data, algorithm="dpsgd", checkpoint_dir=...)``
+    Reads the checkpoints that ``train(model, data, DPSGDMechanism(...), options=RunOptions(checkpoint_dir=...))``
     wrote (that driver keeps every one, the initial model included; ``checkpoint_every``
     and ``steps_per_call`` set how many), loads each one's parameters into ``model``'s
     structure and runs :func:`per_point_clipped_norms` on the training data. Before any
@@ -213,19 +214,17 @@ def clipped_norms_at_checkpoints(model: nnx.Module, data, checkpoint_dir, *, los
       >>> from flax import nnx
       >>> from jaxdp.data import from_arrays
       >>> from jaxdp.models import SoftmaxRegression
-      >>> from jaxdp.training import train
+      >>> from jaxdp.training import DPSGDMechanism, RunOptions, train
       >>> rng = np.random.default_rng(0)
       >>> ds = from_arrays(rng.normal(size=(40, 4)), rng.integers(0, 3, 40), test_fraction=0.0)
       >>> folder = tempfile.mkdtemp()
-      >>> _ = train(SoftmaxRegression(4, 3, rngs=nnx.Rngs(0)), ds, algorithm="dpsgd", learning_rate=0.5,
-      ...           noise_multiplier=1.0, clip_norm=1.0, batch_size=10, passes=2, checkpoint_dir=folder,
-      ...           progress=False)
+      >>> mech = DPSGDMechanism(learning_rate=0.5, noise_multiplier=1.0, clip_norm=1.0, batch_size=10, passes=2)
+      >>> _ = train(SoftmaxRegression(4, 3, rngs=nnx.Rngs(0)), ds, mech,
+      ...           options=RunOptions(checkpoint_dir=folder, progress=False))
       >>> norms = clipped_norms_at_checkpoints(SoftmaxRegression(4, 3, rngs=nnx.Rngs(0)), ds, folder)
       >>> norms.checkpoint_steps.tolist(), norms.r.shape, norms.ledger.steps_done
       ([0, 4], (40, 2), 8)
     """
-    from ._loop import _fingerprint
-    from ._plan import declared_loss_fn
 
     chunk_size = _check_chunk_size(chunk_size)
     if not isinstance(model, nnx.Module):
@@ -240,9 +239,9 @@ def clipped_norms_at_checkpoints(model: nnx.Module, data, checkpoint_dir, *, los
         ck.check_one_run()
         meta = ck.metadata(steps[-1])
         config = meta.get("config") or {}
-        if config.get("algorithm") != "dpsgd" or "ledger" not in meta:
-            raise ValueError(f"checkpoint_dir {str(checkpoint_dir)!r} does not hold a DP-SGD run "
-                             "(train(..., algorithm='dpsgd')): per-instance accounting needs its ledger.")
+        if config.get("mechanism") != "dpsgd" or "ledger" not in meta:
+            raise ValueError(f"checkpoint_dir {str(checkpoint_dir)!r} does not hold a DP-SGD run of this jaxdp "
+                             "(train(..., DPSGDMechanism(...))): per-instance accounting needs its ledger.")
         ledger = DPSGDLedger.from_json(meta["ledger"])
         loss_fn = declared_loss_fn(model, loss_fn)
         graphdef, params0, rest = nnx.split(model, nnx.Param, ...)
@@ -266,7 +265,7 @@ def clipped_norms_at_checkpoints(model: nnx.Module, data, checkpoint_dir, *, los
                 raise ValueError(f"checkpoint {s} in {str(checkpoint_dir)!r} lacks its array signature.")
             like = {k: np.zeros(shape, dtype) for k, (shape, dtype) in stored.items()}
             arrays, _ = ck.restore(like, s)
-            # The train state's leaves start with the parameters (see TrainState).
+            # DPSGDState's leaves start with the parameters.
             leaves = [jnp.asarray(arrays[f"leaf_{i:04d}"], dtype=ref.dtype) for i, ref in enumerate(leaves0)]
             m = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves), rest)
             r[:, j] = per_point_clipped_norms(loss_fn, m, (x, y), ledger.clip_norm, chunk_size=chunk_size,
@@ -334,8 +333,6 @@ def _steps_per_checkpoint(checkpoint_steps: np.ndarray, num_steps: int) -> np.nd
 
 def _realised_rdp(r, checkpoint_steps, num_steps, q, noise_multiplier, orders, block) -> np.ndarray:
     """Σ_t ε_step(α; r_{i,t}) per record, r_{i,t} from the checkpoint nearest t - 1: shape (n, k)."""
-    from .. import accounting as acc
-
     counts = _steps_per_checkpoint(checkpoint_steps, num_steps).astype(np.float64)
     rdp = np.empty((r.shape[0], len(orders)), np.float64)
     for s in range(0, r.shape[0], block):
@@ -402,8 +399,6 @@ def per_point_privacy(norms: CheckpointNorms, *, delta: float | None = None, ord
       >>> bool(res.estimate.epsilon[1] < res.epsilon < res.estimate.epsilon[0] + 1e-9)
       True
     """
-    from .. import accounting as acc
-
     ledger = norms.ledger
     delta = float(ledger.delta if delta is None else delta)
     _validate.check_delta(delta)

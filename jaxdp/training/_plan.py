@@ -42,6 +42,8 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import _validate
+from ..models import HiddenStateModel, LossConstants
+from ._run import _check_features, _unpack_data
 from ._transforms import _schedule_rates
 
 __all__ = ["PrivacyPlan", "plan_privacy"]
@@ -105,8 +107,6 @@ def declared_loss_fn(model, loss_fn):
 
 def _declared_constants(model, loss_fn_given: bool, x_bound):
     """The model's :class:`~jaxdp.models.LossConstants` for its own loss, or ``None``."""
-    from ..models import LossConstants
-
     method = getattr(model, "loss_constants", None)
     if loss_fn_given or x_bound is None or not callable(method):
         return None
@@ -217,8 +217,6 @@ def plan_privacy(
       >>> plan.analysis, plan.reason.split(":")[0]
       ('composition', 'MLP is not convex')
     """
-    from ._loop import _check_features, _unpack_data
-
     x, y, _, _, x_bound, _ = _unpack_data(data)
     x = np.asarray(x)
     _check_features(x)
@@ -240,8 +238,6 @@ def _num_steps(n_total: int, batch_size: int, passes: int, schedule: str, drop_r
 def _plan_privacy(model, x: np.ndarray, x_bound, *, learning_rate, radius, batch_size, passes, schedule,
                   drop_remainder, loss_fn, clip_norm, lipschitz, smoothness, strong_convexity, convex,
                   return_intermediates) -> PrivacyPlan:
-    from ..models import HiddenStateModel, LossConstants
-
     _validate.check_in_range("radius", radius, 0.0, math.inf, lo_open=True)
     if clip_norm is not None:
         _validate.check_in_range("clip_norm", clip_norm, 0.0, math.inf, lo_open=True)

@@ -87,7 +87,8 @@ def test_any_optax_optimizer_and_a_user_loss():
     (dict(learning_rate=None), "learning_rate"),
     (dict(optimizer="adam"), "optimizer must be an optax"),
     (dict(noise_multiplier=0.0), "noise_multiplier"),
-    (dict(schedule="random_stop", passes=1), "algorithm=.dpsgd. samples every step"),
+    (dict(schedule="random_stop", passes=1), "schedule is not used by algorithm=.dpsgd."),
+    (dict(radius=0.001), "radius is not used by algorithm=.dpsgd."),
     (dict(algorithm="sgd"), "algorithm must be one of"),
 ])
 def test_bad_arguments(kwargs, match):

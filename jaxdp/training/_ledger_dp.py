@@ -1,0 +1,290 @@
+"""The ledgers of DP-SGD and DP-SBCD runs and their reports (ε per record position).
+
+:func:`~jaxdp.training.privacy_report` dispatches here for a :class:`DPSGDLedger` (the
+sampled-Gaussian guarantee, the same for every record) or a :class:`DPSBCDLedger` (Chen &
+Liu's hidden-state bound per batch position, and composition).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..accounting import (
+    DEFAULT_ORDERS,
+    DPSBCD,
+    dpsbcd_rdp_per_batch,
+    dpsgd_epsilon,
+    dpsgd_event,
+    pld_epsilon,
+    rdp_to_epsilon,
+)
+from ._report import PrivacyReport
+
+__all__ = ["DPSBCDLedger", "DPSGDLedger"]
+
+
+
+_DPSGD = "dpsgd"
+
+
+class DPSGDLedger(NamedTuple):
+    r"""What a DP-SGD run has spent, in the accountant's terms (JSON-serialisable).
+
+    The guarantee is the Poisson-subsampled Gaussian mechanism composed over the steps done
+    (:func:`jaxdp.accounting.dpsgd_epsilon` with ``(q, noise_multiplier, steps_done)``),
+    add/remove neighbours, every intermediate model possibly released; it is the same for
+    every record.
+
+    Attributes:
+      analysis: ``"dpsgd"``.
+      reason: the assumptions, for the report.
+      q: Poisson sampling rate (``batch_size / records``).
+      noise_multiplier: :math:`\nu`, noise std over the clip norm :math:`C` on the clipped
+        sum (as in Opacus and dp_accounting).
+      clip_norm: :math:`C`.
+      learning_rate: the SGD learning rate, or ``None`` with a user's optax optimizer.
+      batch_size: the expected batch size :math:`qN`.
+      records: :math:`N`.
+      passes: planned passes (:math:`T = \mathrm{passes}\cdot\lceil N/b\rceil` steps).
+      steps_per_pass: :math:`\lceil N/b\rceil`.
+      total_steps: :math:`T`.
+      steps_done: steps done so far.
+      capacity: static padded batch size (speed only; overflow runs a second chunk).
+      delta: target :math:`\delta`.
+      order_seed: unused by DP-SGD's sampling (kept for the model's public initialisation).
+      fixed_noise_seed: ``True`` when the noise and the sampling came from a fixed seed
+        (then **not private**).
+      max_grad_norm: the largest unclipped per-example gradient norm seen so far.
+    """
+
+    analysis: str
+    reason: str
+    q: float
+    noise_multiplier: float
+    clip_norm: float
+    learning_rate: float | None
+    batch_size: int
+    records: int
+    passes: int
+    steps_per_pass: int
+    total_steps: int
+    steps_done: int
+    capacity: int
+    delta: float
+    order_seed: int
+    fixed_noise_seed: bool
+    max_grad_norm: float
+
+    unused = 0  # every record can be sampled
+
+    def public(self) -> dict[str, Any]:
+        """What a report, JSON, log or plot may show (everything: this run has no secret count)."""
+        return dict(self._asdict())
+
+    def to_json(self) -> dict[str, Any]:
+        """The public ledger as a JSON-ready dict (:meth:`public`)."""
+        return self.public()
+
+    def event(self, num_steps: int | None = None):
+        """The accounting event after ``num_steps`` steps (default: the steps done): ``dpsgd_event(q, ν, steps)``."""
+        return dpsgd_event(self.q, self.noise_multiplier, self.steps_done if num_steps is None else int(num_steps))
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> DPSGDLedger:
+        """Inverse of :meth:`to_json`."""
+        return cls(**{k: data[k] for k in cls._fields})
+
+
+def _dpsgd_report(ledger: DPSGDLedger, accountant: str = "rdp") -> PrivacyReport:
+    if accountant not in ("rdp", "pld"):
+        raise ValueError(f"accountant must be 'rdp' or 'pld'; got {accountant!r}.")
+    n = ledger.records
+    positions = np.arange(1, n + 1)
+    eps = float(dpsgd_epsilon(ledger.q, ledger.noise_multiplier, ledger.steps_done, ledger.delta)) \
+        if ledger.steps_done > 0 else 0.0
+    values = np.full(n, eps)
+    by = {"dpsgd (sampled Gaussian RDP)": values}
+    if accountant == "pld":
+        eps_pld = float(pld_epsilon(dpsgd_event(ledger.q, ledger.noise_multiplier, ledger.steps_done),
+                                    ledger.delta)) if ledger.steps_done > 0 else 0.0
+        values = np.full(n, eps_pld)
+        by = {"dpsgd (sampled Gaussian PLD, upper bound)": values, **by}
+    return PrivacyReport(_DPSGD, ledger.reason, ledger.delta, ledger.steps_done, positions, values, values, None,
+                         by, 0, True, bool(ledger.fixed_noise_seed))
+
+
+# ----------------------------------------------------------------------------------------
+# DP-SBCD runs
+# ----------------------------------------------------------------------------------------
+
+_DPSBCD = "dpsbcd"
+_DPSBCD_HIDDEN = "dpsbcd hidden-state (Chen & Liu Thm 4.6, layers summed)"
+_DPSBCD_COMPOSITION = "composition"
+
+
+class DPSBCDLedger(NamedTuple):
+    r"""What a DP-SBCD run has spent, in the accountant's terms (JSON-serialisable).
+
+    The reported guarantee is :func:`jaxdp.accounting.dpsbcd_rdp` **per batch position**
+    (``batch_index`` :math:`j_0`, the record's batch in the public order; all positions at
+    once with :func:`jaxdp.accounting.dpsbcd_rdp_per_batch`) over the passes
+    done, converted with :func:`jaxdp.accounting.rdp_to_epsilon`; the worst position is
+    the release's guarantee. The order comes from the public ``order_seed``, so the
+    paper's mixture over a uniformly random :math:`j_0` (:func:`~jaxdp.accounting.dpsbcd_epsilon`,
+    Theorem 4.6) does not apply: the worst position is at least that value. It rests on
+    the paper's **unproven per-layer summation** and its LSI assumption (see
+    :func:`~jaxdp.accounting.dpsbcd_rdp`). The report also lists the composition bound
+    (every iterate released: each layer's step is a Gaussian mechanism with sensitivity
+    :math:`S_g/b`, composed over layers and uses), which needs neither assumption.
+
+    Attributes:
+      analysis: ``"dpsbcd"``.
+      reason: the assumptions, for the report.
+      learning_rate: η.
+      noise_temperature: o, per pass ``[passes]`` or per step ``[passes][steps_per_pass]``.
+      sensitivity: :math:`S_g = 2C` per layer.
+      contraction: :math:`L_F` per layer, as stated by the user.
+      prox_lipschitz: :math:`L_T = 1/(1 + ηλ)` per layer.
+      clip_norm: :math:`C`.
+      weight_decay: λ.
+      penalty: γ of the lifted objective.
+      records: records used per pass (:math:`m b`).
+      unused: records never used (the :math:`n \bmod b` left over), ε = 0.
+      batch_size: b.
+      passes: planned passes.
+      steps_per_pass: :math:`m = \lfloor n/b\rfloor`.
+      total_steps: ``passes·m``.
+      steps_done: steps done so far.
+      delta: target δ.
+      order_seed: public seed of the one permutation.
+      fixed_noise_seed: ``True`` when the noise came from a fixed seed (then **not private**).
+      max_grad_norm: largest unclipped per-record block gradient norm seen so far.
+    """
+
+    analysis: str
+    reason: str
+    learning_rate: float
+    noise_temperature: list
+    sensitivity: list
+    contraction: list
+    prox_lipschitz: list
+    clip_norm: float
+    weight_decay: float
+    penalty: float
+    records: int
+    unused: int
+    batch_size: int
+    passes: int
+    steps_per_pass: int
+    total_steps: int
+    steps_done: int
+    delta: float
+    order_seed: int
+    fixed_noise_seed: bool
+    max_grad_norm: float
+
+    def public(self) -> dict[str, Any]:
+        """What a report, JSON, log or plot may show (everything: this run has no secret count)."""
+        return dict(self._asdict())
+
+    def to_json(self) -> dict[str, Any]:
+        """The public ledger as a JSON-ready dict (:meth:`public`)."""
+        return self.public()
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> DPSBCDLedger:
+        """Inverse of :meth:`to_json`."""
+        return cls(**{k: data[k] for k in cls._fields})
+
+    def event(self, passes: int | None = None):
+        """The :class:`~jaxdp.accounting.DPSBCD` event of the first ``passes`` passes (default: all planned)."""
+        p = self.passes if passes is None else int(passes)
+        return DPSBCD(np.asarray(self.noise_temperature, np.float64)[:p], float(self.learning_rate),
+                      np.asarray(self.sensitivity, np.float64), np.asarray(self.contraction, np.float64),
+                      np.asarray(self.prox_lipschitz, np.float64), num_records=int(self.records),
+                      batch_size=int(self.batch_size))
+
+
+@functools.lru_cache(maxsize=8)
+def _dpsbcd_epsilons_fn(num_layers: int, passes: int, per_step: bool, num_records: int, batch_size: int):
+    """A jitted ``(temps, eta, sensitivity, contraction, prox_lipschitz, used, delta) -> (hidden, composition)``.
+
+    Both are ε per batch position, shape ``(m,)``; ``used`` is the ``(passes, m)`` mask of
+    the steps done (composition). One compiled call instead of many eager ones (cached on
+    shapes only; traced inside an x64 scope, so float64 throughout).
+    """
+    m = num_records // batch_size
+    orders = np.asarray(DEFAULT_ORDERS, np.float64)
+
+    def fn(temps, eta, sensitivity, contraction, prox_lipschitz, used, delta):
+        kw = dict(learning_rate=eta, sensitivity=sensitivity, contraction=contraction, prox_lipschitz=prox_lipschitz,
+                  num_records=num_records, batch_size=batch_size)
+        # The per-position RDP is linear in the order, α·c_j: one order gives c_j. All m
+        # positions in one call (shared LSI constants and decay sums: O(passes·m), one scan).
+        c = dpsbcd_rdp_per_batch([2.0], temps, **kw)[:, 0] / 2.0
+        per_step_temps = temps if per_step else jnp.repeat(temps[:, None], m, axis=1)
+        # Composition: each use is, per layer, a Gaussian mechanism with RDP α ηS²/(4b²o)
+        # (noise std sqrt(2ηo) on a step moved by ηS/b), summed over layers and uses.
+        comp = jnp.sum(jnp.where(used, eta * jnp.sum(sensitivity**2) / (4.0 * batch_size**2 * per_step_temps), 0.0),
+                       axis=0)
+
+        def eps(cj):
+            return rdp_to_epsilon(orders * cj, orders, delta).epsilon
+
+        return jax.vmap(eps)(c), jnp.where(comp > 0, jax.vmap(eps)(comp), 0.0)
+
+    return jax.jit(fn)
+
+
+def _dpsbcd_report(ledger: DPSBCDLedger) -> PrivacyReport:
+    r"""ε per record position of a DP-SBCD run after ``steps_done`` steps.
+
+    At a pass boundary (:math:`p` passes done): the hidden-state bound of the first
+    :math:`p` passes for the record's batch position, and the composition bound
+    :math:`ρ(α) = α\sum_{\text{layers}}\sum_{k<p} ηS_g^2/(4b^2o_{km+j_0})` (the Gaussian
+    mechanism of every touching step; no LSI, no per-layer assumption). Inside a pass no
+    hidden-state bound is certified (``exact=False``): composition over the steps done.
+    """
+    n, b, m = ledger.records, ledger.batch_size, ledger.steps_per_pass
+    positions = np.arange(1, n + 1)
+    s = int(ledger.steps_done)
+    p, t = divmod(s, m)
+    record_batch = np.arange(n) // b
+    temps = np.asarray(ledger.noise_temperature, np.float64)
+    used = np.zeros((ledger.passes, m), bool)
+    used.reshape(-1)[:s] = True
+    sens = np.asarray(ledger.sensitivity, np.float64)
+    fn = _dpsbcd_epsilons_fn(sens.size, ledger.passes, temps.ndim == 2, n, b)
+    args = (float(ledger.learning_rate), sens, np.asarray(ledger.contraction, np.float64),
+            np.asarray(ledger.prox_lipschitz, np.float64))
+    with jax.enable_x64(True):
+        # All planned passes (one compiled shape; steps not done are masked for composition). The
+        # hidden-state bound of the first p < passes passes needs its own shape.
+        hid, comp = fn(temps, *args, used, float(ledger.delta))
+        if 0 < p < ledger.passes and t == 0:
+            fn_p = _dpsbcd_epsilons_fn(sens.size, p, temps.ndim == 2, n, b)
+            hid, _ = fn_p(temps[:p], *args, used[:p], float(ledger.delta))
+    comp = np.asarray(comp, np.float64)[record_batch]
+    exact = t == 0
+    if s == 0:
+        hidden = np.zeros(n)
+    elif exact:
+        # The hidden-state bound never exceeds composition in exact arithmetic; keep the smaller.
+        hidden = np.minimum(np.asarray(hid, np.float64)[record_batch], comp)
+    else:
+        hidden = None
+    if hidden is None:
+        by = {_DPSBCD_COMPOSITION: comp}
+        analysis, reason = _DPSBCD_COMPOSITION, "mid-pass (hidden-state bound at pass ends only); " + ledger.reason
+        eps = comp
+    else:
+        by = {_DPSBCD_HIDDEN: hidden, _DPSBCD_COMPOSITION: comp}
+        analysis, reason, eps = _DPSBCD, ledger.reason, hidden
+    return PrivacyReport(analysis, reason, ledger.delta, s, positions, eps, comp, hidden, by, ledger.unused, exact,
+                         bool(ledger.fixed_noise_seed))
+
