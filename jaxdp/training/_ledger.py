@@ -324,7 +324,7 @@ def privacy_report(ledger: PrivacyLedger | DPSGDLedger | DPSBCDLedger, accountan
     Args:
       ledger: a :class:`PrivacyLedger` (e.g. ``result.state.ledger``).
       accountant: ``"rdp"`` (default) or, for a :class:`DPSGDLedger` only, ``"pld"``: the
-        report then leads with the PLD upper bound (:func:`jaxdp.accounting.pld_epsilon`,
+        report then leads with the PLD upper bound (:func:`jaxdp.accounting.epsilon` with ``accountant="pld"``,
         tighter) and lists the RDP value as a second line.
 
     Returns:
@@ -478,7 +478,7 @@ class DPSGDLedger(NamedTuple):
 
 
 def _dpsgd_report(ledger: DPSGDLedger, accountant: str = "rdp") -> PrivacyReport:
-    from ..accounting import dpsgd_epsilon, dpsgd_event, pld_epsilon
+    from ..accounting import dpsgd_epsilon, dpsgd_event, epsilon
 
     if accountant not in ("rdp", "pld"):
         raise ValueError(f"accountant must be 'rdp' or 'pld'; got {accountant!r}.")
@@ -489,8 +489,8 @@ def _dpsgd_report(ledger: DPSGDLedger, accountant: str = "rdp") -> PrivacyReport
     values = np.full(n, eps)
     by = {"dpsgd (sampled Gaussian RDP)": values}
     if accountant == "pld":
-        eps_pld = float(pld_epsilon(dpsgd_event(ledger.q, ledger.noise_multiplier, ledger.steps_done),
-                                    ledger.delta)) if ledger.steps_done > 0 else 0.0
+        eps_pld = float(epsilon(dpsgd_event(ledger.q, ledger.noise_multiplier, ledger.steps_done), ledger.delta,
+                                accountant="pld")) if ledger.steps_done > 0 else 0.0
         values = np.full(n, eps_pld)
         by = {"dpsgd (sampled Gaussian PLD, upper bound)": values, **by}
     return PrivacyReport(_DPSGD, ledger.reason, ledger.delta, ledger.steps_done, positions, values, values, None,
