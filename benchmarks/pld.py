@@ -59,7 +59,7 @@ def main() -> None:
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, jax {jax.__version__}, "
           f"backend {jax.default_backend()}")
     q, s, t = _grid(args.configs)
-    f = jax.jit(lambda q, s, t: A.pld_epsilon(A.dpsgd_event(q, s, t), args.delta))
+    f = jax.jit(lambda q, s, t: A.epsilon(A.dpsgd_event(q, s, t), args.delta, accountant="pld"))
     t0 = time.perf_counter()
     jax.block_until_ready(f(q[:2], s[:2], t[:2]))
     compile_s = time.perf_counter() - t0
@@ -88,7 +88,7 @@ def main() -> None:
     except Exception as exc:  # opacus not installed or failing on a configuration
         print(f"Opacus PRV: skipped ({type(exc).__name__}: {exc})")
     # Calibration of σ for ε = 1 (q = 256/60000, 14040 steps).
-    cal = jax.jit(lambda e: A.calibrate_pld_noise_multiplier(e, 256 / 60000, 14040, args.delta))
+    cal = jax.jit(lambda e: A.calibrate_noise_multiplier(e, 256 / 60000, 14040, args.delta, accountant="pld"))
     t0 = time.perf_counter()
     jax.block_until_ready(cal(1.0))
     c_compile = time.perf_counter() - t0

@@ -1,7 +1,7 @@
 """Streamed ε grids: millions of DP-SGD configurations in fixed-size chunks, resumable.
 
 :func:`epsilon_grid` evaluates ε of DP-SGD (:func:`jaxdp.accounting.dpsgd_epsilon`, or the
-PLD upper bound :func:`jaxdp.accounting.pld_epsilon`) on the Cartesian product of the
+PLD upper bound, ``jaxdp.accounting.epsilon(..., accountant="pld")``) on the Cartesian product of the
 axes ``q × noise_multiplier × num_steps × delta`` (row-major: ``delta`` varies fastest).
 The product is never built: each chunk of ``chunk_size`` flat indices is turned into its
 four coordinates, padded to the static chunk length (one compilation for the whole grid),
@@ -99,7 +99,7 @@ def epsilon_grid(q, noise_multiplier, num_steps, delta, *, directory: str | None
 
     Each configuration gets :math:`ε = \min_α \mathrm{conv}_δ(T\,ε_{q,σ}(α))`, exactly what
     :func:`jaxdp.accounting.dpsgd_epsilon` returns for it (``accountant="rdp"``), or the
-    certified PLD upper bound of :func:`jaxdp.accounting.pld_epsilon` (``"pld"``).
+    certified PLD upper bound of :func:`jaxdp.accounting.epsilon` (``"pld"``).
 
     Args:
       q: sampling rates in [0, 1] (scalar or 1-D).
@@ -238,7 +238,7 @@ def write_grid_csv(path: str, result: GridResult, *, chunk_size: int = 65536) ->
 @functools.cache
 def _chunk_function(accountant: str, orders: tuple, method: str):
     if accountant == "pld":
-        return jax.jit(lambda q, s, t, d: A.pld_epsilon(A.dpsgd_event(q, s, t), d))
+        return jax.jit(lambda q, s, t, d: A.epsilon(A.dpsgd_event(q, s, t), d, accountant="pld"))
     return _sharding._jit(functools.partial(A.dpsgd_epsilon, orders=orders, method=method))
 
 

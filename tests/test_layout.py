@@ -5,6 +5,8 @@
 - ``jaxdp.accounting`` imports nothing from training, models, data, audit or the command line;
 - ``jaxdp.audit`` may import accounting and training (public names); nothing below it imports it;
 - nothing in the library imports the command line;
+- no import cycle inside ``jaxdp/accounting`` (module- or function-level); a function-level
+  import there says why in a comment;
 - examples use only public names (no ``_private`` module or name of jaxdp).
 """
 
@@ -63,6 +65,75 @@ def test_dependencies_point_one_way():
                 bad.append(f"{path.relative_to(ROOT)} imports {mod}")
             if inside[0] != "cli" and parts[1] == "cli" and path.name != "__main__.py":
                 bad.append(f"{path.relative_to(ROOT)} imports the command line ({mod})")
+    assert not bad, "\n".join(bad)
+
+
+def _accounting_import_graph():
+    """``{module: {(imported module, line, function-level)}}`` inside ``jaxdp/accounting``."""
+    folder = PKG / "accounting"
+    names = {p.stem for p in folder.glob("*.py")}
+    graph = {}
+    for path in sorted(folder.glob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        nested = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                  for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))}
+        edges = set()
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            if isinstance(node, ast.Import):
+                targets = [a.name.split(".") for a in node.names]
+            elif node.level == 1:  # from . import _x / from ._x import y
+                targets = ([["jaxdp", "accounting", node.module.split(".")[0]]] if node.module else
+                           [["jaxdp", "accounting", a.name] for a in node.names])
+            elif node.level == 0:
+                mod = (node.module or "").split(".")
+                targets = [mod + [a.name] if len(mod) == 2 else mod for a in node.names]
+            else:
+                continue  # from .. import: outside the folder
+            for t in targets:
+                if t[:2] != ["jaxdp", "accounting"]:
+                    continue
+                target = t[2] if len(t) > 2 and t[2] in names else "__init__"
+                edges.add((target, node.lineno, id(node) in nested))
+        graph[path.stem] = edges
+    return graph
+
+
+def test_accounting_has_no_import_cycle():
+    """Module-level and function-level imports alike: a lazy import is still a dependency."""
+    graph = {m: {t for t, _, _ in e} for m, e in _accounting_import_graph().items()}
+    state, cycles = {}, []
+
+    def visit(m, stack):
+        state[m] = "open"
+        for t in sorted(graph.get(m, ())):
+            if state.get(t) == "open":
+                cycles.append(" -> ".join(stack[stack.index(t):] + [t]))
+            elif t not in state:
+                visit(t, stack + [t])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, "import cycles in jaxdp/accounting:\n" + "\n".join(cycles)
+
+
+def test_accounting_function_level_imports_say_why():
+    """A function-level import is for an optional dependency or deliberate lazy loading, with a comment."""
+    bad = []
+    for path in sorted((PKG / "accounting").glob("*.py")):
+        lines = path.read_text().splitlines()
+        tree = ast.parse("\n".join(lines), filename=str(path))
+        for f in ast.walk(tree):
+            if not isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(f):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    here, above = lines[node.lineno - 1], lines[node.lineno - 2]
+                    if "#" not in here and not above.strip().startswith("#"):
+                        bad.append(f"{path.name}:{node.lineno}: {here.strip()}")
     assert not bad, "\n".join(bad)
 
 

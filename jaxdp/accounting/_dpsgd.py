@@ -12,9 +12,10 @@ import numpy as np
 
 from .. import _validate
 from .._numerics import f64, float64
+from . import _pld
 from ._conversion import _IMPROVED_MIN_ORDER, rdp_to_epsilon
 from ._rdp import DEFAULT_ORDERS, heterogeneous_rdp
-from ._solve import implicit_root, search_certified
+from ._solve import implicit_root, search_certified, search_decreasing
 
 __all__ = ["dpsgd_epsilon", "schedule_epsilon", "calibrate_noise_multiplier", "CalibrationResult"]
 
@@ -147,8 +148,10 @@ def calibrate_noise_multiplier(
     *,
     method: str = "improved",
     noise_multiplier_bounds: tuple[float, float] = (0.05, 1.0e4),
-    solver_iterations: int = 32,
+    solver_iterations: int | None = None,
     accountant: str = "rdp",
+    grid_size: int | None = None,
+    tail_bound: float | None = None,
 ) -> CalibrationResult:
     r"""Smallest noise multiplier σ whose DP-SGD ε is at most ``target_epsilon``.
 
@@ -189,13 +192,16 @@ def calibrate_noise_multiplier(
       delta: δ in (0, 1).
       orders, method: as in :func:`dpsgd_epsilon`.
       noise_multiplier_bounds: search bracket (static), 0 < low < high.
-      solver_iterations: cap on the search's evaluations (static); the search usually
-        stops much earlier, once σ is certified to 2e-10 relative. Where the cap stops it
-        first, σ is the smallest accepted probe (+inf if none was accepted).
+      solver_iterations: cap on the search's evaluations (static; default 32 for
+        ``"rdp"``, 24 bisection steps for ``"pld"``); the RDP search usually stops much
+        earlier, once σ is certified to 2e-10 relative. Where the cap stops it first, σ is
+        the smallest accepted probe (+inf if none was accepted).
       accountant: ``"rdp"`` (default, this function's search) or ``"pld"``: calibrate
-        with the privacy loss distribution's certified upper bound instead
-        (:func:`calibrate_pld_noise_multiplier` at its default grid; ``orders``, ``method``,
-        ``noise_multiplier_bounds`` and ``solver_iterations`` are then not used).
+        with the privacy loss distribution's certified upper bound instead: the
+        RDP σ brackets a bisection on the PLD ε, every returned σ checked against the
+        target (``orders``, ``method`` and ``noise_multiplier_bounds`` are then not used).
+      grid_size, tail_bound: ``"pld"`` only, as in :func:`epsilon` (static; default
+        :data:`PLD_GRID_SIZE`, :data:`PLD_TAIL_BOUND`).
 
     Returns:
       ``CalibrationResult(noise_multiplier, epsilon, at_lower_bound)``: σ and ε float64,
@@ -209,9 +215,13 @@ def calibrate_noise_multiplier(
     """
     _validate.check_static_choice("accountant", accountant, ("rdp", "pld"))
     if accountant == "pld":
-        from ._pld import calibrate_pld_noise_multiplier
-
-        return calibrate_pld_noise_multiplier(target_epsilon, q, num_steps, delta)
+        pld_options = {k: v for k, v in (("grid_size", grid_size), ("tail_bound", tail_bound),
+                                         ("solver_iterations", solver_iterations)) if v is not None}
+        return calibrate_pld_noise_multiplier(target_epsilon, q, num_steps, delta, **pld_options)
+    for name, v in (("grid_size", grid_size), ("tail_bound", tail_bound)):
+        if v is not None:
+            raise ValueError(f"{name} is an option of accountant='pld'; accountant='rdp' does not take it.")
+    solver_iterations = 32 if solver_iterations is None else solver_iterations
     _validate.check_in_range("target_epsilon", target_epsilon, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("q", q, 0.0, 1.0)
     _validate.check_in_range("num_steps", num_steps, 0.0, math.inf)
@@ -431,3 +441,99 @@ def _search(target, q, steps, delta, orders, method, lo_s, hi_s, iterations):
     info_init = jnp.zeros(target.shape + (len(orders),))
     return search_certified(evaluate, propose, start, info_init, math.log(lo_s), math.log(hi_s), _SEARCH_TOL,
                             iterations)
+
+
+# =======================================================================================
+# calibrate_noise_multiplier(accountant="pld"): the PLD calibration (moved here from _pld.py
+# so that _pld imports the event tree only).
+# =======================================================================================
+
+
+def _dpsgd_pld_epsilon(x, q, steps, delta, *, grid_size, tail_bound):
+    """PLD ε of DP-SGD at σ = e^x (no eager checks: the calibration's inner function)."""
+    return _pld._evaluate_jit(("sampled_gaussian",), (3,), grid_size, tail_bound, "upper", "epsilon",
+                         q, jnp.exp(x), steps, delta)
+
+
+@float64
+def calibrate_pld_noise_multiplier(target_epsilon, q, num_steps, delta, *, grid_size: int = _pld.PLD_GRID_SIZE,
+                                   tail_bound: float = _pld.PLD_TAIL_BOUND, solver_iterations: int = 24):
+    r"""Smallest DP-SGD noise multiplier whose PLD ε (upper bound) is at most ``target_epsilon``.
+
+    The public door is ``calibrate_noise_multiplier(..., accountant="pld")``; the name
+    ``jaxdp.accounting.calibrate_pld_noise_multiplier`` is deprecated and warns.
+
+    The RDP calibration (:func:`calibrate_noise_multiplier`) gives :math:`σ_{RDP}`, which
+    meets the target under the PLD accountant too (the PLD upper bound is below the RDP
+    bound up to its certified error); the PLD root is searched by bisection on
+    :math:`\log σ ∈ [\log σ_{RDP} - 1, \log σ_{RDP}]` (fixed steps, one PLD evaluation per step,
+    so it runs under ``jit`` and ``vmap``). Every returned σ was checked:
+    ``epsilon(dpsgd_event(q, σ, T), δ, accountant="pld") ≤ target``; where the PLD grid cannot certify
+    the target at :math:`σ_{RDP}`, :math:`σ_{RDP}` itself (an RDP-certified answer) is
+    returned. Derivatives with respect to the target, q, num_steps and δ come from the
+    implicit function theorem. σ is relative to the clipped sum's L2 sensitivity
+    (add/remove-one), as in :func:`calibrate_noise_multiplier`.
+
+    Args:
+      target_epsilon: ε target > 0.
+      q: sampling rate in [0, 1].
+      num_steps: number of steps ≥ 0.
+      delta: δ in (0, 1).
+      grid_size, tail_bound: as in :func:`epsilon` with ``accountant="pld"`` (static).
+      solver_iterations: bisection steps (static); the bracket is e wide, so 24 steps
+        give σ within 6e-8 relative of the grid's threshold.
+
+    Returns:
+      ``CalibrationResult(noise_multiplier, epsilon, at_lower_bound)``, float64 (and a
+      boolean flag), broadcast shape; the ε is the PLD upper bound at the returned σ;
+      ``at_lower_bound`` is true where the target is met at the lower end of the search.
+
+    Examples:
+      >>> import jaxdp
+      >>> A = jaxdp.accounting
+      >>> r = A.calibrate_noise_multiplier(1.0, 256 / 60000, 14040, 1e-5, accountant="pld", grid_size=2**13)
+      >>> float(r.epsilon) <= 1.0, round(float(r.noise_multiplier), 2)
+      (True, 2.03)
+    """
+    _pld._check_options(grid_size, tail_bound, "upper")
+    _validate.check_in_range("target_epsilon", target_epsilon, 0.0, math.inf, lo_open=True)
+    _validate.check_in_range("q", q, 0.0, 1.0)
+    _validate.check_in_range("num_steps", num_steps, 0.0, math.inf)
+    _validate.check_delta(delta)
+    if int(solver_iterations) < 1:
+        raise ValueError(f"solver_iterations must be >= 1; got {solver_iterations!r}.")
+    target, q, steps, delta = (f64(x) for x in (target_epsilon, q, num_steps, delta))
+    target, q, steps, delta = jnp.broadcast_arrays(target, q, steps, delta)
+    return _calibrate_pld_core(target, q, jnp.ceil(steps), delta, int(grid_size), float(tail_bound),
+                           int(solver_iterations))
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5, 6))
+def _calibrate_pld_core(target, q, steps, delta, grid_size, tail_bound, iterations):
+    rdp = calibrate_noise_multiplier(target, q, steps, delta)
+    s_rdp = jax.lax.stop_gradient(rdp.noise_multiplier)
+    ok = jnp.isfinite(s_rdp) & (s_rdp > 0)
+    hi = jnp.log(jnp.where(ok, s_rdp, 1.0))
+    lo = hi - 1.0
+    fn = functools.partial(_dpsgd_pld_epsilon, grid_size=grid_size, tail_bound=tail_bound)
+    params = (q, steps, delta)
+    p_sg = jax.lax.stop_gradient(params)
+    t_sg = jax.lax.stop_gradient(target)
+
+    def accept(x):  # one evaluation site: the PLD program is large (see ends_in_loop)
+        e = fn(x, *p_sg)
+        return e <= t_sg, e
+
+    res = search_decreasing(accept, lo, hi, iterations, ends_in_loop=True)
+    found = res.found
+    x, eps_x = implicit_root(fn, res.x, jnp.where(found, res.aux, 0.0), target, params, found & ~res.at_low,
+                             res.at_low, closed=True)
+    x_s = jnp.where(found, x, hi)
+    sigma = jnp.where(found, jnp.exp(x_s), rdp.noise_multiplier)
+    eps = jnp.where(found, eps_x, rdp.epsilon)
+    sigma = jnp.where(ok, sigma, rdp.noise_multiplier)
+    eps = jnp.where(ok, eps, rdp.epsilon)
+    # The target already met at the lower end of a search (RDP's range, or the PLD bracket
+    # below the RDP answer): the σ returned is that end, not the smallest σ that meets it.
+    at_low = rdp.at_lower_bound | (ok & found & res.at_low)
+    return CalibrationResult(sigma, eps, at_low)

@@ -84,15 +84,16 @@ import numpy as np
 
 from .. import _validate
 from .._numerics import f64, float64, log_ndtr
+from ._events import Composed, Gaussian, Laplace, PoissonSampled, SelfComposed, check_event
+from ._rdp import gaussian_rdp, laplace_rdp
 
+# The public door is ``epsilon(event, delta, accountant="pld")`` / ``delta(...)`` (registered
+# in _accountants.py); pld_epsilon and pld_delta stay for one release as deprecated names.
 __all__ = [
     "PLD_GRID_SIZE",
     "PLD_TAIL_BOUND",
     "PLDBracket",
-    "pld_epsilon",
-    "pld_delta",
     "pld_bracket",
-    "calibrate_pld_noise_multiplier",
 ]
 
 PLD_GRID_SIZE = 2**14
@@ -196,8 +197,6 @@ def _survival_laplace(eps, b):
 
 def _components(event, count=None):
     """``[(kind, params, count)]`` of an event tree; kind static, params and counts leaves."""
-    from ._events import Composed, Gaussian, Laplace, PoissonSampled, SelfComposed
-
     one = f64(1.0) if count is None else count
     if isinstance(event, Gaussian):
         return [("gaussian", (f64(event.noise_multiplier),), one)]
@@ -230,8 +229,6 @@ def _rdp_of(kind, params, orders):
     Gaussian's α/(2σ²) (sampling only helps), which also serves the fractional orders.
     Written out here (not :func:`sampled_gaussian_rdp`) to keep the compiled program small.
     """
-    from ._rdp import gaussian_rdp, laplace_rdp
-
     if kind == "gaussian":
         return gaussian_rdp(orders, params[0])
     if kind == "laplace":
@@ -536,11 +533,8 @@ def _check_options(grid_size, tail_bound, estimate):
 
 
 def _prepared(event):
-    from ._events import _prepare
-
-    _prepare(event)
-    comps = _components(event)
-    return comps
+    check_event(event)
+    return _components(event)  # raises on what the PLD accountant does not cover
 
 
 def _evaluate(event, query, grid_size, tail_bound, estimate, what):
@@ -619,6 +613,9 @@ def pld_epsilon(event, delta, *, grid_size: int = PLD_GRID_SIZE, tail_bound: flo
                 estimate: str = "upper") -> jax.Array:
     r"""ε at which the event is (ε, δ)-DP, from its privacy loss distribution (FFT).
 
+    The public door is ``epsilon(event, delta, accountant="pld", ...)``; the name
+    ``jaxdp.accounting.pld_epsilon`` is deprecated and warns.
+
     :math:`ε = \min\{ε ≥ 0 : δ_ω(ε) ≤ δ\}` for the composed discrete PLD ω, with
     :math:`δ_ω(ε) = \sum_i ω_i (1 - e^{ε - ℓ_i})_+ + ω_∞`; see the module docstring for
     the discretisation (connect-the-dots, an upper bound) and its certificate.
@@ -646,7 +643,7 @@ def pld_epsilon(event, delta, *, grid_size: int = PLD_GRID_SIZE, tail_bound: flo
     Examples:
       >>> import jaxdp
       >>> A = jaxdp.accounting
-      >>> e = A.pld_epsilon(A.SelfComposed(A.Gaussian(2.0), 4), 1e-5, grid_size=2**12)
+      >>> e = A.epsilon(A.SelfComposed(A.Gaussian(2.0), 4), 1e-5, accountant="pld", grid_size=2**12)
       >>> round(float(e), 3)  # exact (μ = 1 Gaussian DP): 4.377
       4.377
     """
@@ -662,6 +659,9 @@ def pld_delta(event, epsilon, *, grid_size: int = PLD_GRID_SIZE, tail_bound: flo
               estimate: str = "upper") -> jax.Array:
     r"""δ(ε) of the event from its privacy loss distribution (an upper bound by default).
 
+    The public door is ``delta(event, epsilon, accountant="pld", ...)``; the name
+    ``jaxdp.accounting.pld_delta`` is deprecated and warns.
+
     :math:`δ = \sum_i ω_i (1 - e^{ε - ℓ_i})_+ + ω_∞` + the certified tail and rounding
     terms (see :func:`pld_epsilon` and the module docstring).
 
@@ -676,7 +676,7 @@ def pld_delta(event, epsilon, *, grid_size: int = PLD_GRID_SIZE, tail_bound: flo
     Examples:
       >>> import jaxdp
       >>> A = jaxdp.accounting
-      >>> d = A.pld_delta(A.SelfComposed(A.Gaussian(2.0), 4), 1.0, grid_size=2**12)
+      >>> d = A.delta(A.SelfComposed(A.Gaussian(2.0), 4), 1.0, accountant="pld", grid_size=2**12)
       >>> f"{float(d):.4e}"  # exact: 1.2694e-01
       '1.2694e-01'
     """
@@ -689,8 +689,11 @@ def pld_delta(event, epsilon, *, grid_size: int = PLD_GRID_SIZE, tail_bound: flo
 def pld_bracket(event, delta, *, grid_size: int = PLD_GRID_SIZE, tail_bound: float = PLD_TAIL_BOUND) -> PLDBracket:
     """Both PLD estimates of ε: the true ε(δ) lies in ``[lower, upper]``.
 
+    ``upper`` is ``epsilon(event, delta, accountant="pld")``, ``lower`` the same with
+    ``estimate="lower"``.
+
     Args:
-      event, delta, grid_size, tail_bound: as in :func:`pld_epsilon`.
+      event, delta, grid_size, tail_bound: as in :func:`epsilon` with ``accountant="pld"``.
 
     Returns:
       ``PLDBracket(lower, upper, width)``, float64, batch shape.
@@ -707,106 +710,19 @@ def pld_bracket(event, delta, *, grid_size: int = PLD_GRID_SIZE, tail_bound: flo
     return PLDBracket(lo, up, up - lo)
 
 
-def _dpsgd_pld_epsilon(x, q, steps, delta, *, grid_size, tail_bound):
-    """PLD ε of DP-SGD at σ = e^x (no eager checks: the calibration's inner function)."""
-    return _evaluate_jit(("sampled_gaussian",), (3,), grid_size, tail_bound, "upper", "epsilon",
-                         q, jnp.exp(x), steps, delta)
-
-
-@float64
-def calibrate_pld_noise_multiplier(target_epsilon, q, num_steps, delta, *, grid_size: int = PLD_GRID_SIZE,
-                                   tail_bound: float = PLD_TAIL_BOUND, solver_iterations: int = 24):
-    r"""Smallest DP-SGD noise multiplier whose PLD ε (upper bound) is at most ``target_epsilon``.
-
-    The RDP calibration (:func:`calibrate_noise_multiplier`) gives :math:`σ_{RDP}`, which
-    meets the target under the PLD accountant too (the PLD upper bound is below the RDP
-    bound up to its certified error); the PLD root is searched by bisection on
-    :math:`\log σ ∈ [\log σ_{RDP} - 1, \log σ_{RDP}]` (fixed steps, one PLD evaluation per step,
-    so it runs under ``jit`` and ``vmap``). Every returned σ was checked:
-    ``pld_epsilon(dpsgd_event(q, σ, T), δ) ≤ target``; where the PLD grid cannot certify
-    the target at :math:`σ_{RDP}`, :math:`σ_{RDP}` itself (an RDP-certified answer) is
-    returned. Derivatives with respect to the target, q, num_steps and δ come from the
-    implicit function theorem. σ is relative to the clipped sum's L2 sensitivity
-    (add/remove-one), as in :func:`calibrate_noise_multiplier`.
-
-    Args:
-      target_epsilon: ε target > 0.
-      q: sampling rate in [0, 1].
-      num_steps: number of steps ≥ 0.
-      delta: δ in (0, 1).
-      grid_size, tail_bound: as in :func:`pld_epsilon` (static).
-      solver_iterations: bisection steps (static); the bracket is e wide, so 24 steps
-        give σ within 6e-8 relative of the grid's threshold.
-
-    Returns:
-      ``CalibrationResult(noise_multiplier, epsilon, at_lower_bound)``, float64 (and a
-      boolean flag), broadcast shape; the ε is the PLD upper bound at the returned σ;
-      ``at_lower_bound`` is true where the target is met at the lower end of the search.
-
-    Examples:
-      >>> import jaxdp
-      >>> A = jaxdp.accounting
-      >>> r = A.calibrate_pld_noise_multiplier(1.0, 256 / 60000, 14040, 1e-5, grid_size=2**13)
-      >>> float(r.epsilon) <= 1.0, round(float(r.noise_multiplier), 2)
-      (True, 2.03)
-    """
-    _check_options(grid_size, tail_bound, "upper")
-    _validate.check_in_range("target_epsilon", target_epsilon, 0.0, math.inf, lo_open=True)
-    _validate.check_in_range("q", q, 0.0, 1.0)
-    _validate.check_in_range("num_steps", num_steps, 0.0, math.inf)
-    _validate.check_delta(delta)
-    if int(solver_iterations) < 1:
-        raise ValueError(f"solver_iterations must be >= 1; got {solver_iterations!r}.")
-    target, q, steps, delta = (f64(x) for x in (target_epsilon, q, num_steps, delta))
-    target, q, steps, delta = jnp.broadcast_arrays(target, q, steps, delta)
-    return _calibrate_core(target, q, jnp.ceil(steps), delta, int(grid_size), float(tail_bound),
-                           int(solver_iterations))
-
-
-@functools.partial(jax.jit, static_argnums=(4, 5, 6))
-def _calibrate_core(target, q, steps, delta, grid_size, tail_bound, iterations):
-    from ._dpsgd import CalibrationResult, calibrate_noise_multiplier
-    from ._solve import implicit_root, search_decreasing
-
-    rdp = calibrate_noise_multiplier(target, q, steps, delta)
-    s_rdp = jax.lax.stop_gradient(rdp.noise_multiplier)
-    ok = jnp.isfinite(s_rdp) & (s_rdp > 0)
-    hi = jnp.log(jnp.where(ok, s_rdp, 1.0))
-    lo = hi - 1.0
-    fn = functools.partial(_dpsgd_pld_epsilon, grid_size=grid_size, tail_bound=tail_bound)
-    params = (q, steps, delta)
-    p_sg = jax.lax.stop_gradient(params)
-    t_sg = jax.lax.stop_gradient(target)
-
-    def accept(x):  # one evaluation site: the PLD program is large (see ends_in_loop)
-        e = fn(x, *p_sg)
-        return e <= t_sg, e
-
-    res = search_decreasing(accept, lo, hi, iterations, ends_in_loop=True)
-    found = res.found
-    x, eps_x = implicit_root(fn, res.x, jnp.where(found, res.aux, 0.0), target, params, found & ~res.at_low,
-                             res.at_low, closed=True)
-    x_s = jnp.where(found, x, hi)
-    sigma = jnp.where(found, jnp.exp(x_s), rdp.noise_multiplier)
-    eps = jnp.where(found, eps_x, rdp.epsilon)
-    sigma = jnp.where(ok, sigma, rdp.noise_multiplier)
-    eps = jnp.where(ok, eps, rdp.epsilon)
-    # The target already met at the lower end of a search (RDP's range, or the PLD bracket
-    # below the RDP answer): the σ returned is that end, not the smallest σ that meets it.
-    at_low = rdp.at_lower_bound | (ok & found & res.at_low)
-    return CalibrationResult(sigma, eps, at_low)
-
-
 # =======================================================================================
 # The "pld" accountant of the event layer: epsilon(event, delta, accountant="pld").
 # =======================================================================================
 
 
-def _accountant_epsilon(event, delta, orders):
-    out = _evaluate(event, delta, PLD_GRID_SIZE, PLD_TAIL_BOUND, "upper", "epsilon")
-    _refuse_uncertified(out, delta)
-    return out
+ACCOUNTANT_OPTIONS = ("grid_size", "tail_bound", "estimate")
 
 
-def _accountant_delta(event, epsilon, orders):
-    return _evaluate(event, epsilon, PLD_GRID_SIZE, PLD_TAIL_BOUND, "upper", "delta")
+def accountant_epsilon(event, delta, orders, **options):
+    """``epsilon(event, delta, accountant="pld", **options)`` (``orders`` is not used)."""
+    return pld_epsilon(event, delta, **options)
+
+
+def accountant_delta(event, epsilon, orders, **options):
+    """``delta(event, epsilon, accountant="pld", **options)`` (``orders`` is not used)."""
+    return pld_delta(event, epsilon, **options)

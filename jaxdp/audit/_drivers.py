@@ -128,7 +128,7 @@ def gaussian_scores(noise_multiplier, runs: int, *, q=1.0, num_steps: int = 1, k
 def _claimed_gaussian(noise_multiplier, delta, q, num_steps):
     if q == 1.0:  # T Gaussian releases = one Gaussian with σ/√T: the exact curve
         return float(A.gaussian_mechanism_epsilon(delta, noise_multiplier / math.sqrt(num_steps)))
-    return float(A.pld_epsilon(A.dpsgd_event(q, noise_multiplier, num_steps), delta))
+    return float(A.epsilon(A.dpsgd_event(q, noise_multiplier, num_steps), delta, accountant="pld"))
 
 
 def audit_gaussian(noise_multiplier, delta, *, q=1.0, num_steps: int = 1, runs: int = 100_000,
@@ -137,7 +137,7 @@ def audit_gaussian(noise_multiplier, delta, *, q=1.0, num_steps: int = 1, runs: 
 
     The claim is the exact ε of the Gaussian mechanism (:func:`~jaxdp.accounting.gaussian_mechanism_epsilon`
     at σ/√T) when q = 1, else the PLD upper bound of ``dpsgd_event(q, σ, T)``
-    (:func:`~jaxdp.accounting.pld_epsilon`). The lower bound is
+    (:func:`~jaxdp.accounting.epsilon` with ``accountant="pld"``). The lower bound is
     :func:`epsilon_lower_bound` of :func:`gaussian_scores`.
 
     Args:

@@ -30,7 +30,7 @@ def run(args) -> int:
     from .. import accounting as A
 
     if getattr(args, "accountant", "rdp") == "pld":
-        eps = float(A.pld_epsilon(A.dpsgd_event(args.q, args.noise_multiplier, args.num_steps), args.delta))
+        eps = float(A.epsilon(A.dpsgd_event(args.q, args.noise_multiplier, args.num_steps), args.delta, accountant="pld"))
         payload = dict(q=args.q, noise_multiplier=args.noise_multiplier, num_steps=args.num_steps,
                        delta=args.delta, accountant="pld", grid_size=A.PLD_GRID_SIZE, epsilon=eps)
         emit(args, payload, [

@@ -264,7 +264,7 @@ def privacy_report(ledger: PrivacyLedger | DPSGDLedger | DPSBCDLedger, accountan
     Args:
       ledger: a :class:`PrivacyLedger` (e.g. ``result.ledger``).
       accountant: ``"rdp"`` (default) or, for a :class:`DPSGDLedger` only, ``"pld"``: the
-        report then leads with the PLD upper bound (:func:`jaxdp.accounting.pld_epsilon`,
+        report then leads with the PLD upper bound (:func:`jaxdp.accounting.epsilon` with ``accountant="pld"``,
         tighter) and lists the RDP value as a second line.
 
     Returns:

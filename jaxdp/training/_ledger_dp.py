@@ -20,7 +20,7 @@ from ..accounting import (
     dpsbcd_rdp_per_batch,
     dpsgd_epsilon,
     dpsgd_event,
-    pld_epsilon,
+    epsilon,
     rdp_to_epsilon,
 )
 from ._report import PrivacyReport
@@ -110,8 +110,8 @@ def _dpsgd_report(ledger: DPSGDLedger, accountant: str = "rdp") -> PrivacyReport
     values = np.full(n, eps)
     by = {"dpsgd (sampled Gaussian RDP)": values}
     if accountant == "pld":
-        eps_pld = float(pld_epsilon(dpsgd_event(ledger.q, ledger.noise_multiplier, ledger.steps_done),
-                                    ledger.delta)) if ledger.steps_done > 0 else 0.0
+        eps_pld = float(epsilon(dpsgd_event(ledger.q, ledger.noise_multiplier, ledger.steps_done), ledger.delta,
+                                accountant="pld")) if ledger.steps_done > 0 else 0.0
         values = np.full(n, eps_pld)
         by = {"dpsgd (sampled Gaussian PLD, upper bound)": values, **by}
     return PrivacyReport(_DPSGD, ledger.reason, ledger.delta, ledger.steps_done, positions, values, values, None,

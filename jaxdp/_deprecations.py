@@ -1,0 +1,29 @@
+"""Deprecated public names: a module ``__getattr__`` that warns and still answers (as optax).
+
+A package keeps a table ``_deprecations = {old_name: (message, obj)}`` and sets
+``__getattr__ = deprecation_getattr(__name__, _deprecations)``. The old name is then
+absent from ``dir()`` and ``__all__`` but still resolves, with a ``DeprecationWarning``
+whose message names the replacement, for one release; ``obj=None`` turns the name into an
+``AttributeError`` with the same message (the release after).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+def deprecation_getattr(module: str, deprecations: Mapping[str, tuple[str, Any]]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for the names in ``deprecations``; any other name is an AttributeError."""
+
+    def __getattr__(name: str) -> Any:
+        if name in deprecations:
+            message, obj = deprecations[name]
+            if obj is None:
+                raise AttributeError(message)
+            warnings.warn(message, DeprecationWarning, stacklevel=2)
+            return obj
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return __getattr__
