@@ -4,6 +4,12 @@ Each subcommand is one module of this package (``add_parser`` registers it, ``ru
 executes it); nothing in the library imports this package. Every invalid argument ends
 with a one-line ``jaxdp: error: ...`` naming the option and exit status 2; no traceback
 reaches the user.
+
+Start-up is kept short: the subcommand modules import only the standard library at the
+top, the arguments are parsed (``--help`` printed, usage errors reported) and the scalar
+ranges of ``epsilon`` and ``calibrate`` checked with the library's own validators before
+JAX is imported; each subcommand imports the accountants, the trainer, flax, optax or
+matplotlib in its ``run`` when it needs them.
 """
 
 from __future__ import annotations
@@ -76,9 +82,38 @@ def _enable_compilation_cache() -> str | None:
     return path
 
 
+def _check_ranges(args) -> None:
+    """Check the scalar options of ``epsilon`` and ``calibrate`` before JAX is imported.
+
+    The checks are the library's (:mod:`jaxdp._validate`, which loads no JAX), so a value
+    out of range is reported in well under a second, with the message the accountant itself
+    would give; the accountant still checks everything again.
+    """
+    if getattr(args, "command", None) not in ("epsilon", "calibrate"):
+        return
+    from .. import _validate
+
+    inf = float("inf")
+    checks = {
+        "q": lambda v: _validate.check_in_range("q", v, 0.0, 1.0),
+        "noise_multiplier": lambda v: _validate.check_in_range("noise_multiplier", v, 0.0, inf, lo_open=True),
+        "num_steps": lambda v: _validate.check_in_range("num_steps", v, 0.0, inf),
+        "delta": _validate.check_delta,
+        "epsilon": lambda v: _validate.check_in_range("target_epsilon", v, 0.0, inf, lo_open=True),
+    }
+    for dest, check in checks.items():
+        value = getattr(args, dest, None)
+        if isinstance(value, float):
+            check(value)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        _check_ranges(args)
+    except ValueError as exc:
+        return error(option_message(str(exc)))
     _enable_compilation_cache()
     try:
         return int(args.func(args) or 0)
