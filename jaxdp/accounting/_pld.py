@@ -84,6 +84,7 @@ import numpy as np
 
 from .. import _validate
 from .._numerics import f64, float64, log_ndtr
+from .._program_cache import persistent
 
 __all__ = [
     "PLD_GRID_SIZE",
@@ -594,6 +595,7 @@ def _one_value(kinds, sizes, n, tau, estimate, what, *xs):
 
 
 # Compiled once per event structure and static options; called eagerly it costs one dispatch.
+@persistent("pld", static_argnums=(0, 1, 2, 3, 4, 5))
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
 def _evaluate_jit(kinds, sizes, n, tau, estimate, what, *vals):
     shape = jnp.broadcast_shapes(*(jnp.shape(v) for v in vals))
@@ -763,6 +765,7 @@ def calibrate_pld_noise_multiplier(target_epsilon, q, num_steps, delta, *, grid_
                            int(solver_iterations))
 
 
+@persistent("calibrate_pld_noise_multiplier", static_argnums=(4, 5, 6))
 @functools.partial(jax.jit, static_argnums=(4, 5, 6))
 def _calibrate_core(target, q, steps, delta, grid_size, tail_bound, iterations):
     from ._dpsgd import CalibrationResult, calibrate_noise_multiplier
