@@ -30,7 +30,10 @@ def _central_difference(f, x, h=1e-4):
     return (float(g(x + h)) - float(g(x - h))) / (2 * h)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", ["dpsgd_epsilon", "epsilon(event)",
+                                  # Minutes of compilation (four PLD derivative programs); checked
+                                  # by hand in session 9: 8.36188 against 8.36071 (1.4e-4).
+                                  pytest.param("pld_epsilon", marks=pytest.mark.slow)])
 def test_second_derivative_matches_central_differences_x64_on(name):
     f, rtol = CASES[name]
     with jax.enable_x64(True):
