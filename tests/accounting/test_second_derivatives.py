@@ -47,18 +47,22 @@ def test_second_derivative_matches_central_differences_x64_on(name):
 @pytest.mark.parametrize("name", ["dpsgd_epsilon", "epsilon(event)"])
 def test_second_derivative_with_x64_off_is_one_clear_error(name):
     f, _ = CASES[name]
-    assert not jax.config.jax_enable_x64
-    for second in (jax.grad(jax.grad(f)), jax.hessian(f)):
-        with pytest.raises(SecondDerivativeX64Error, match="jax_enable_x64"):
-            second(np.float32(SIGMA))
+    with jax.enable_x64(False):
+        for second in (jax.grad(jax.grad(f)), jax.hessian(f)):
+            with pytest.raises(SecondDerivativeX64Error, match="jax_enable_x64"):
+                second(np.float32(SIGMA))
 
 
-def test_log_ndtr_derivatives_are_finite_in_the_lower_tail():
-    """d²/dx² log Φ(x) → -1 as x → -∞; differentiating log(erfc) twice gave 0/0 below -26."""
+def test_log_ndtr_derivatives_against_mpmath():
+    """(log Φ)' = φ/Φ = r and (log Φ)'' = -r (x + r), at 50 digits; differentiating
+    log(erfc) twice gave 0/0 = NaN below x = -26."""
+    mpmath = pytest.importorskip("mpmath")
+    mpmath.mp.dps = 50
     with jax.enable_x64(True):
-        for x in (-5.0, -26.5, -30.0, -36.9, -37.1, -100.0):
+        for x in (-5.0, -26.5, -30.0, -36.9, -37.1, -100.0, 0.3, 5.0):
+            r = mpmath.npdf(x) / mpmath.ncdf(x)
             d1 = float(jax.grad(log_ndtr)(x))
             d2 = float(jax.grad(jax.grad(log_ndtr))(x))
-            # φ/Φ ≈ -x - 1/x + 2/x³ and its derivative ≈ -1 + 1/x² - 6/x⁴ (Mills ratio expansion).
-            assert d1 == pytest.approx(-x - 1 / x + 2 / x**3 - 10 / x**5, rel=1e-3 if x > -10 else 1e-9)
-            assert d2 == pytest.approx(-1 + 1 / x**2 - 6 / x**4 + 50 / x**6, rel=1e-2 if x > -10 else 1e-9)
+            assert d1 == pytest.approx(float(r), rel=1e-12)
+            # -r (x + r) cancels to ~1/x² of r x in the lower tail: a few ulps of r x there.
+            assert d2 == pytest.approx(float(-r * (x + r)), rel=1e-8, abs=1e-14)
