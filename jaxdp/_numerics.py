@@ -6,6 +6,7 @@ Everything here is a pure function of arrays that is safe under ``jit``, ``vmap`
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -273,6 +274,23 @@ def signed_logsumexp(log_abs: jax.Array, signs: jax.Array, axis: int = -1, *, re
     return log_total, sign, log_mag
 
 
+def read_only(obj):
+    """Mark every NumPy array in ``obj`` read-only (through dataclasses, tuples and lists); return ``obj``.
+
+    For what a ``functools`` cache returns: every later call shares those arrays, so an
+    in-place change would silently alter later results; read-only, it raises instead.
+    """
+    if isinstance(obj, np.ndarray):
+        obj.setflags(write=False)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            read_only(getattr(obj, field.name))
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            read_only(item)
+    return obj
+
+
 @functools.cache
 def crvz_weights(n: int) -> tuple[np.ndarray, float]:
     r"""Weights of Cohen–Rodriguez Villegas–Zagier acceleration for alternating series.
@@ -296,4 +314,4 @@ def crvz_weights(n: int) -> tuple[np.ndarray, float]:
         c = b - c
         w[k] = c / d  # the paper's c_k carry the alternating sign: S_n = Σ c_k a_k / d
         b = (k + n) * (k - n) * b / ((k + 0.5) * (k + 1.0))
-    return w, 2.0 / (3.0 + math.sqrt(8.0)) ** n
+    return read_only(w), 2.0 / (3.0 + math.sqrt(8.0)) ** n

@@ -164,7 +164,10 @@ class _Persistent:
 
             static = (tuple((i, args[i]) for i in sorted(self._static_argnums) if i < len(args)),
                       tuple(sorted((k, v) for k, v in kwargs.items() if k in self._static_argnames)))
-            signature = (path, static, treedef, tuple(jax.typeof(x) for x in leaves), _config.trace_context())
+            # str(treedef) names the classes: tree structures of two pytree classes with the
+            # same fields can compare equal (JAX's register_dataclass; see jaxdp._pytree).
+            signature = (path, static, treedef, str(treedef), tuple(jax.typeof(x) for x in leaves),
+                         _config.trace_context())
             hash(signature)
         except Exception:  # an unhashable static argument, an internal API that moved
             stats["bypassed"] += 1

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "is_concrete",
+    "check_broadcastable",
     "check_in_range",
     "check_delta",
     "check_integer",
@@ -57,14 +58,48 @@ DELTA_MIN = float(np.finfo(np.float64).tiny)  # 2.2250738585072014e-308
 
 
 def _check_numeric(name: str, value: Any) -> None:
-    """A string (or an array of strings or objects) is not a number, even when it parses as one."""
+    """Real numbers only: a string, a bool or a complex number is not one, even when it converts.
+
+    ``True`` would otherwise be taken as 1 (``dpsgd_epsilon(True, ...)`` as q = 1) and a
+    complex value either loses its imaginary part or fails deep inside NumPy without naming
+    the parameter.
+    """
     if isinstance(value, (str, bytes)):
         raise ValueError(f"{name} must be a number, not a string; got {value!r}.")
-    if isinstance(value, (list, tuple)) and any(isinstance(v, (str, bytes)) for v in value):
+    items = value if isinstance(value, (list, tuple)) else (value,)
+    if any(isinstance(v, (str, bytes)) for v in items):
         raise ValueError(f"{name} must hold numbers, not strings; got {value!r}.")
+    if any(isinstance(v, (bool, np.bool_)) for v in items):
+        raise ValueError(f"{name} must hold real numbers, not booleans; got {value!r}.")
+    if any(isinstance(v, (complex, np.complexfloating)) for v in items):
+        raise ValueError(f"{name} must hold real numbers, not complex ones; got {value!r}.")
     kind = getattr(value, "dtype", None)
-    if kind is not None and np.dtype(kind).kind in "USOV":
-        raise ValueError(f"{name} must hold numbers; got an array of dtype {np.dtype(kind)}.")
+    if kind is not None and np.dtype(kind).kind in "USOVbc":
+        raise ValueError(f"{name} must hold real numbers; got an array of dtype {np.dtype(kind)}.")
+
+
+def check_broadcastable(**arrays: Any) -> None:
+    """The named arguments' shapes must broadcast together (NumPy's rule); the error names two of them.
+
+    Shapes are known while tracing too, so this checks tracers as well.
+    """
+    shapes = {name: tuple(np.shape(v)) if not hasattr(v, "shape") else tuple(v.shape) for name, v in arrays.items()}
+    try:
+        np.broadcast_shapes(*shapes.values())
+    except ValueError:
+        seen: dict[str, tuple] = {}
+        for name, shape in shapes.items():
+            for other, other_shape in seen.items():
+                try:
+                    np.broadcast_shapes(other_shape, shape)
+                except ValueError:
+                    raise ValueError(
+                        f"{other} (shape {other_shape}) and {name} (shape {shape}) must broadcast together (equal "
+                        "lengths, or 1, along each trailing axis)."
+                    ) from None
+            seen[name] = shape
+        raise ValueError(f"the shapes of {', '.join(shapes)} must broadcast together; got "
+                         f"{', '.join(str(s) for s in shapes.values())}.") from None
 
 
 def check_nonempty(name: str, value: Any) -> None:

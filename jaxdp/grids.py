@@ -21,6 +21,8 @@ accountant, chunk size), so changed arguments never reuse another grid's chunks.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import hashlib
 import json
@@ -122,7 +124,10 @@ def epsilon_grid(q, noise_multiplier, num_steps, delta, *, directory: str | None
 
     Raises:
       ValueError: an axis is empty or out of range, or an option is invalid (the parameter
-        is named).
+        is named); without ``directory``, a result vector larger than the machine's memory.
+      OSError: ``errno.ENOSPC`` naming ``epsilon.npy`` when its file system cannot hold the
+        8 bytes per configuration (checked before the file is made, then its blocks are
+        allocated, so a full disk never kills the process with SIGBUS).
 
     Examples:
       >>> import jaxdp.grids
@@ -152,6 +157,7 @@ def epsilon_grid(q, noise_multiplier, num_steps, delta, *, directory: str | None
     num_chunks = math.ceil(total / chunk_size)
 
     if directory is None:
+        _check_memory(total)
         eps, done, folder = np.empty(total, dtype=np.float64), set(), None
     else:
         fp = _fingerprint(axes, accountant=accountant, orders=orders, method=method, chunk_size=chunk_size)
@@ -176,10 +182,15 @@ def epsilon_grid(q, noise_multiplier, num_steps, delta, *, directory: str | None
             eps[lo:hi] = values[: hi - lo]
             if folder is not None:
                 eps.flush()  # the values reach the file before the chunk is marked done
-                with open(os.path.join(folder, "done.txt"), "a") as fh:
-                    fh.write(f"{k}\n")
-                    fh.flush()
-                    os.fsync(fh.fileno())
+                try:
+                    with open(os.path.join(folder, "done.txt"), "a") as fh:
+                        fh.write(f"{k}\n")
+                        fh.flush()
+                        os.fsync(fh.fileno())
+                except OSError as exc:
+                    if _is_disk_full(exc) and exc.filename is None:
+                        raise _named(exc, os.path.join(folder, "done.txt")) from None
+                    raise
             if bar is not None:
                 bar.update(1)
             if callback is not None:
@@ -198,20 +209,30 @@ def write_grid_csv(path: str, result: GridResult, *, chunk_size: int = 65536) ->
 
     Rows follow the grid's row-major order; values are written as Python's ``repr`` (the shortest
     text that reads back as the same float64). The file is written to ``path + ".tmp"`` and renamed, so a
-    reader never sees half a file.
+    reader never sees half a file; on any failure (a full disk: ``OSError`` with ``errno.ENOSPC``
+    naming ``path``) the temporary file is removed.
     """
     shape = result.epsilon.shape
     flat = result.epsilon.reshape(-1)
     tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        fh.write(CSV_HEADER + "\n")
-        for lo in range(0, flat.size, chunk_size):
-            idx = np.arange(lo, min(lo + chunk_size, flat.size))
-            coords = np.unravel_index(idx, shape)
-            cols = [ax[c].tolist() for ax, c in zip(result.axes, coords)]
-            cols.append(np.asarray(flat[idx], dtype=np.float64).tolist())
-            fh.write("".join(f"{a!r},{b!r},{c!r},{d!r},{e!r}\n" for a, b, c, d, e in zip(*cols)))
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(CSV_HEADER + "\n")
+            for lo in range(0, flat.size, chunk_size):
+                idx = np.arange(lo, min(lo + chunk_size, flat.size))
+                coords = np.unravel_index(idx, shape)
+                cols = [ax[c].tolist() for ax, c in zip(result.axes, coords)]
+                cols.append(np.asarray(flat[idx], dtype=np.float64).tolist())
+                fh.write("".join(f"{a!r},{b!r},{c!r},{d!r},{e!r}\n" for a, b, c, d, e in zip(*cols)))
+        os.replace(tmp, path)
+    except BaseException as exc:
+        # A full disk (or an interruption) must not leave the partial file behind: it would keep
+        # the disk full for every rerun.
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if _is_disk_full(exc) and exc.filename is None:
+            raise _named(exc, path) from None
+        raise
 
 
 @functools.cache
@@ -246,15 +267,79 @@ def _open_store(folder, fp, total, num_chunks, chunk_size, axes, accountant, met
         del eps
     # A new grid (or an unreadable one): start afresh.
     shutil.rmtree(folder, ignore_errors=True)
+    _check_disk_space(os.path.dirname(folder) or ".", path, total)
     os.makedirs(folder)
-    eps = np.lib.format.open_memmap(path, mode="w+", dtype=np.float64, shape=(total,))
-    eps.flush()
-    open(done_path, "w").close()
-    with open(manifest + ".tmp", "w") as fh:
-        json.dump(dict(fingerprint=fp, configurations=total, chunk_size=chunk_size, accountant=accountant,
-                       method=method, axis_lengths=[len(a) for a in axes]), fh)
-    os.replace(manifest + ".tmp", manifest)  # written last: a folder without it is never resumed
+    try:
+        eps = np.lib.format.open_memmap(path, mode="w+", dtype=np.float64, shape=(total,))
+        eps.flush()
+        _reserve(path)
+        open(done_path, "w").close()
+        with open(manifest + ".tmp", "w") as fh:
+            json.dump(dict(fingerprint=fp, configurations=total, chunk_size=chunk_size, accountant=accountant,
+                           method=method, axis_lengths=[len(a) for a in axes]), fh)
+        os.replace(manifest + ".tmp", manifest)  # written last: a folder without it is never resumed
+    except BaseException as exc:
+        shutil.rmtree(folder, ignore_errors=True)  # never a half-made folder
+        if _is_disk_full(exc) and exc.filename is None:
+            raise _named(exc, folder) from None
+        raise
     return eps, set()
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def _named(exc: OSError, path: str) -> OSError:
+    """The same error with the file it concerns (a full disk is reported with the path and its free space)."""
+    return OSError(exc.errno, exc.strerror or os.strerror(exc.errno), path)
+
+
+# Bytes of the .npy header of the memory-mapped vector (NumPy pads it to a multiple of 64; 128 today).
+_NPY_HEADER_MAX = 4096
+
+
+def _check_disk_space(directory: str, path: str, total: int) -> None:
+    """Raise ``OSError(ENOSPC)`` naming ``path`` if its file system cannot hold ``total`` float64 values.
+
+    The vector is memory-mapped: a write into a page the file system cannot back kills the
+    process with SIGBUS, with no message, so the space is checked before the file exists.
+    """
+    need = 8 * total + _NPY_HEADER_MAX
+    free = shutil.disk_usage(directory).free
+    if need > free:
+        raise OSError(errno.ENOSPC, f"the grid's {total} results need {need} bytes but the file system has {free} "
+                                    f"bytes free", path)
+
+
+def _reserve(path: str) -> None:
+    """Allocate the file's blocks now (``posix_fallocate``), so no later write into the map can hit a full disk.
+
+    Another process may fill the disk after the check above; with the blocks allocated the
+    map never needs new ones. File systems without ``fallocate`` keep the sparse file.
+    """
+    if not hasattr(os, "posix_fallocate"):  # pragma: no cover - not Linux
+        return
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+    except OSError as exc:
+        if _is_disk_full(exc):
+            raise _named(exc, path) from None
+        # EOPNOTSUPP, EINVAL: the file system cannot preallocate; the free-space check stands.
+    finally:
+        os.close(fd)
+
+
+def _check_memory(total: int) -> None:
+    """An in-memory grid's result vector (8 bytes per configuration) must fit the machine's memory."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return
+    if 8 * total > memory:
+        raise ValueError(f"the grid has {total} configurations ({8 * total} bytes of results) but the machine has "
+                         f"{memory} bytes of memory; pass directory= to keep the results in a memory-mapped file")
 
 
 def _remove_stale(directory: str, keep: str) -> None:

@@ -16,6 +16,11 @@ os.environ.setdefault("JAXDP_CACHE_DIR", "off")
 # Without it the suite took 9 min 19-21 s; with it 7 min 0 s to 9 min 53 s on the same VM,
 # whose speed varies by tens of percent. Each process now compiles its own programs. The command's cache (locked, in the user's folder) has its own tests.
 # A failing random-tree test prints recomputed values (tests/diagnostics.py).
+# Session 9 found the cause of both wrong values, in-process: under JAX's register_dataclass
+# the tree structures of Gaussian and Laplace compared equal, so jit's in-memory caches now and
+# then ran one class's program on the other (0.067 is Laplace(19.89)'s ε, 0.0498 Gaussian(3.744)'s
+# δ at Laplace(3.744)'s ε); events now register through jaxdp/_pytree.py. The persistent cache was
+# not needed for it; whether to share one again is a question of speed only.
 
 # Compile with XLA's backend optimisation off: the suite's time is mostly compilation of
 # small programs (measured: tests/accounting/test_events.py 88 s -> 69 s), and the tests

@@ -243,6 +243,18 @@ def test_per_instance_plumbing(dpsgd_run, tmp_path, capsys, monkeypatch):
     share = np.mean(4.0 * norms.r[:, 0] < 2.0)
     assert f"{100 * share:.1f} % of 1438 records below the guarantee" in out
     assert png.stat().st_size > 0
+    # A full disk while writing the CSV: one line naming it and the free space, exit 1 (issue 26).
+    import errno
+
+    from jaxdp.cli import per_instance
+
+    def full(path, res):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(per_instance, "_write_csv", full)
+    assert main(["per-instance", "--checkpoint-dir", str(dpsgd_run), "--out", str(csv), "--histogram", "none"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"jaxdp: error: no space left on the device writing '{csv}' (") and err.count("\n") == 1, err
 
 
 @pytest.mark.slow  # compiles the Theorem 3.3 accountant (~25 s); the plumbing test above covers the rest
@@ -400,3 +412,113 @@ def test_train_dpsgd_target_epsilon(capsys):
         assert needle in capsys.readouterr().err
     assert main(["train", "--target-epsilon", "1", "--smoke", "--plot", "none"]) == 2
     assert "--algorithm dpsgd only" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------
+# Issue 26: data files, checkpoint folders and a full disk, each in one line naming the option
+# ---------------------------------------------------------------------------------------
+
+
+def _one_line(capsys, rc_expected, *words):
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("jaxdp: error:") and "Traceback" not in err, err
+    for w in words:
+        assert w in err, err
+    return err
+
+
+def _no_training(monkeypatch):
+    import jaxdp.training as T
+
+    def refuse(*a, **k):
+        raise AssertionError("the bad option must be refused before training")
+
+    monkeypatch.setattr(T, "train", refuse)
+
+
+def test_train_damaged_data_file_names_the_option_and_file(tmp_path, capsys, monkeypatch):
+    _no_training(monkeypatch)
+    bad = tmp_path / "mnist.npz"
+    bad.write_bytes(b"\x80\x04garbage that numpy would try to unpickle")
+    assert main(["train", "--dataset", "mnist", "--data-path", str(bad), "--plot", "none"]) == 2
+    err = _one_line(capsys, 2, f"--data-path '{bad}' is not a .npz archive", "expected a NumPy .npz archive")
+    assert "pickle" not in err
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    np.savez(bad, x_train=rng.integers(0, 256, (4, 28, 28)), y_train=np.arange(4), x_test=np.zeros((2, 14, 14)),
+             y_test=np.arange(2))
+    assert main(["train", "--dataset", "mnist", "--data-path", str(bad), "--plot", "none"]) == 2
+    err = _one_line(capsys, 2, f"--data-path '{bad}': x_test must hold 28x28 images")
+    assert "--x-test" not in err  # before: the array's name was turned into an option that does not exist
+
+
+def test_train_checkpoint_folder_file_or_read_only_fails_before_training(tmp_path, capsys, monkeypatch):
+    _no_training(monkeypatch)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["train", "--smoke", "--plot", "none", "--checkpoint-dir", str(blocker)]) == 2
+    _one_line(capsys, 2, f"--checkpoint-dir '{blocker}' is a file, not a folder")
+    import errno
+    import tempfile
+
+    def read_only(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)  # root ignores permission bits: simulate the mount
+    assert main(["train", "--smoke", "--plot", "none", "--checkpoint-dir", str(tmp_path / "ck")]) == 2
+    _one_line(capsys, 2, "--checkpoint-dir cannot write to", "Read-only file system")
+
+
+def test_per_instance_data_of_another_run_and_damaged_files(dpsgd_run, tmp_path, capsys):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    other = tmp_path / "mnist.npz"
+    np.savez(other, x_train=rng.integers(0, 256, (5, 28, 28)), y_train=np.arange(5), x_test=rng.integers(0, 256, (3, 28, 28)),
+             y_test=np.arange(3))
+    argv = ["per-instance", "--checkpoint-dir", str(dpsgd_run), "--out", "none", "--histogram", "none"]
+    assert main([*argv, "--data", str(other)]) == 2
+    # Before: the parameter signature's repr, cut off at its first line.
+    _one_line(capsys, 2, f"--data '{other}' is not the training data of the run in --checkpoint-dir",
+              "1438 records of 64 features", "5 records of 784")
+    other.write_bytes(b"")
+    assert main([*argv, "--data", str(other)]) == 2
+    _one_line(capsys, 2, f"--data '{other}' is an empty file")
+    assert main(["per-instance", "--checkpoint-dir", str(other), "--out", "none", "--histogram", "none"]) == 2
+    _one_line(capsys, 2, f"--checkpoint-dir '{other}' is a file, not a folder")
+
+
+def test_disk_full_is_found_through_wrapping_exceptions(tmp_path):
+    import errno
+
+    from jaxdp.cli._common import disk_full
+
+    inner = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "ck" / "0" / "state"))
+    try:
+        try:
+            raise inner
+        except OSError as e:
+            raise RuntimeError("orbax: save failed") from e
+    except RuntimeError as outer:
+        msg = disk_full(outer)
+    assert msg.startswith(f"no space left on the device writing '{tmp_path / 'ck' / '0' / 'state'}' (")
+    assert " free)" in msg and "\n" not in msg
+    assert disk_full(ValueError("x")) is None and disk_full(OSError(errno.EACCES, "denied")) is None
+    group = ExceptionGroup("async", [ValueError("x"), OSError(errno.ENOSPC, "No space left on device")])
+    assert disk_full(group).startswith("no space left on the device (")
+
+
+@pytest.mark.xfail(strict=True, reason="needs jaxdp/cli/main.py's catch-all to call _common.report_disk_full "
+                                       "(coordinated with the lead; remove this mark then)")
+def test_train_full_disk_in_a_checkpoint_write_one_line_exit_1(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from jaxdp.training import _checkpoint
+
+    def full(self, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.directory))
+
+    monkeypatch.setattr(_checkpoint.Checkpointer, "save", full)
+    assert main(["train", "--smoke", "--plot", "none", "--checkpoint-dir", str(tmp_path / "ck")]) == 1
+    _one_line(capsys, 1, "jaxdp: error: no space left on the device writing", " free)")

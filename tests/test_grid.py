@@ -190,3 +190,149 @@ def test_cli_interrupted_says_how_to_resume(tmp_path, capsys, monkeypatch):
     assert main(_cli(tmp_path, "--delta", "1e-5,1e-7", "--json")) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["computed_chunks"], out["resumed_chunks"]) == (1, 2)
+
+
+# ---------------------------------------------------------------------------------------
+# Full disk (issue 26): one line naming the file and the free space, exit 1, nothing left behind
+# ---------------------------------------------------------------------------------------
+
+
+def test_memory_mapped_file_is_checked_against_the_free_space(tmp_path, monkeypatch):
+    # Before: the map was created sparse and a write into it on a full disk killed the process (SIGBUS).
+    import collections
+    import errno
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(G.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 100, 100))
+    with pytest.raises(OSError) as err:
+        _grid(str(tmp_path))
+    assert err.value.errno == errno.ENOSPC and err.value.filename.endswith("epsilon.npy")
+    assert "need" in str(err.value) and "100 bytes free" in str(err.value)
+    assert not any(p.name.startswith("chunks-") for p in tmp_path.iterdir())  # checked before the folder is made
+
+
+def test_preallocation_failure_leaves_no_folder(tmp_path, monkeypatch):
+    import errno
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(G.os, "posix_fallocate", full)
+    with pytest.raises(OSError) as err:
+        _grid(str(tmp_path))
+    assert err.value.errno == errno.ENOSPC and err.value.filename.endswith("epsilon.npy")
+    assert list(tmp_path.iterdir()) == []
+
+
+class _FullFile:
+    """A text file that takes the first ``room`` characters and then reports a full disk."""
+
+    def __init__(self, path, room):
+        self._fh, self._room = open(path, "w"), room
+
+    def write(self, text):
+        import errno
+
+        if len(text) > self._room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self._room -= len(text)
+        return self._fh.write(text)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._fh.close()
+
+
+def test_csv_on_a_full_disk_removes_its_temporary_file(tmp_path, monkeypatch, reference):
+    import errno
+
+    res = _grid()
+    monkeypatch.setattr(G, "open", lambda path, mode="r": _FullFile(path, 100), raising=False)
+    path = str(tmp_path / "epsilon_grid.csv")
+    with pytest.raises(OSError) as err:
+        G.write_grid_csv(path, res, chunk_size=4)
+    assert err.value.errno == errno.ENOSPC and err.value.filename == path
+    assert list(tmp_path.iterdir()) == []  # neither the CSV nor epsilon_grid.csv.tmp
+
+
+def test_cli_full_disk_one_line_exit_1(tmp_path, capsys, monkeypatch, reference):
+    import collections
+
+    from jaxdp.cli import grid
+
+    usage = collections.namedtuple("usage", "total used free")
+    real = G.shutil.disk_usage
+    monkeypatch.setattr(G.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 100, 100))
+    assert main(_cli(tmp_path, "--delta", "1e-5")) == 1
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert err.startswith("jaxdp: error: no space left on the device writing ") and "epsilon.npy" in err, err
+    assert " free)" in err and "\n" not in err and "Traceback" not in err and captured.out == ""
+    # The CSV: a full disk while writing it, after the grid was computed.
+    monkeypatch.setattr(G.shutil, "disk_usage", real)
+    monkeypatch.setattr(grid, "_heatmap", lambda *a, **k: None)
+    monkeypatch.setattr(G, "open", lambda path, mode="r": _FullFile(path, 100) if path.endswith(".csv.tmp")
+                        else open(path, mode), raising=False)
+    assert main(_cli(tmp_path, "--delta", "1e-5")) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("jaxdp: error: no space left on the device writing ") and "epsilon_grid.csv'" in err, err
+    assert "\n" not in err and not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
+
+
+def test_cli_range_sizes_are_capped_before_allocation(tmp_path, capsys):
+    # Before: --q 1e-3:1e-1:1000000000 allocated a billion floats and died with MemoryError.
+    from jaxdp.cli._common import MAX_RANGE_POINTS
+
+    argv = ["grid", "--q", "1e-3:1e-1:1000000000", "--noise-multiplier", "1", "--num-steps", "10", "--delta", "1e-5",
+            "--out", str(tmp_path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"jaxdp: error: --q: the point count N of LO:HI:N must be in [1, {MAX_RANGE_POINTS:_}]; "
+                   "got 1000000000")
+
+
+def _small_file_system_runs(folder, script):
+    """Run ``script`` (Python) in a user and mount namespace with a 64 kB tmpfs on ``folder``; None if not allowed."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None:
+        return None
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs '{folder}'"],
+                           capture_output=True)
+    if probe.returncode != 0:
+        return None
+    env = dict(os.environ, JAXDP_CACHE_DIR="off", PYTHONPATH=os.getcwd())
+    return subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs '{folder}' && "
+                           f"exec '{sys.executable}' -c \"$0\"", script], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+def test_full_disk_on_a_real_small_file_system(tmp_path):
+    # 64 kB: 10,000 configurations need 80 kB of results (refused before the map is made);
+    # 2,000 need 16 kB (they fit) but their CSV does not (one line, and no temporary file left).
+    folder = tmp_path / "fs"
+    folder.mkdir()
+    script = f"""
+import os, sys
+from jaxdp.cli.main import main
+base = ["grid", "--noise-multiplier", "0.5:5:50", "--num-steps", "100", "--delta", "1e-5", "--orders", "2,4,8,16,32",
+        "--no-progress", "--out", "{folder}/g"]
+print("rc", main([*base, "--q", "1e-4:1e-1:200"]), file=sys.stderr, flush=True)
+print("rc", main([*base, "--q", "1e-4:1e-1:40"]), file=sys.stderr, flush=True)
+print("files", sorted(os.listdir("{folder}/g")), file=sys.stderr)
+"""
+    res = _small_file_system_runs(folder, script)
+    if res is None:
+        pytest.skip("no user/mount namespaces here (unshare -rm): the small file system needs them")
+    lines = [ln for ln in res.stderr.splitlines() if not ln.startswith(("WARNING", "W0", "I0"))]
+    assert len(lines) == 5, res.stderr
+    assert lines[0].startswith("jaxdp: error: no space left on the device writing ") and "epsilon.npy" in lines[0]
+    assert lines[1] == "rc 1" and " free)" in lines[0]
+    assert lines[2].startswith("jaxdp: error: no space left on the device writing ") and "epsilon_grid.csv'" in lines[2]
+    assert lines[3] == "rc 1"
+    files = lines[4]
+    assert ".tmp" not in files and "epsilon_grid.csv" not in files, files

@@ -74,3 +74,18 @@ def test_examples_use_public_names_only():
             if parts[0] == "jaxdp" and (_private(parts[1:]) or any(_private([n]) for n in names)):
                 bad.append(f"{path.name}: {mod} {names}")
     assert not bad, "\n".join(bad)
+
+
+def test_no_pytree_registered_with_jax_register_dataclass():
+    """jaxdp/_pytree.register_dataclass only: under JAX's (0.10.2) the tree structures of two classes
+    with the same field count compare equal, and jit ran Laplace's program on a Gaussian event."""
+    bad = []
+    for path in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "register_dataclass" and \
+                    isinstance(node.value, ast.Attribute) and node.value.attr == "tree_util":
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+            if isinstance(node, ast.ImportFrom) and node.module == "jax.tree_util" and \
+                    any(a.name == "register_dataclass" for a in node.names):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not bad, bad

@@ -39,6 +39,7 @@ def _check(rdp, orders, name, value, lo, hi, lo_open, hi_open, method):
     _validate.check_orders("orders", orders)
     _validate.check_in_range("rdp", rdp, 0.0, math.inf, allow_inf=True)
     _validate.check_nonempty("rdp", rdp)
+    _validate.check_broadcastable(rdp=rdp, orders=orders)
     if name == "delta":
         _validate.check_delta(value)
     else:

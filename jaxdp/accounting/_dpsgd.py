@@ -67,6 +67,7 @@ def dpsgd_epsilon(q, noise_multiplier, num_steps, delta, orders=DEFAULT_ORDERS, 
     """
     for name, value in (("q", q), ("noise_multiplier", noise_multiplier), ("num_steps", num_steps), ("delta", delta)):
         _validate.check_nonempty(name, value)
+    _validate.check_broadcastable(q=q, noise_multiplier=noise_multiplier, num_steps=num_steps, delta=delta)
     _validate.check_in_range("q", q, 0.0, 1.0)
     _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("num_steps", num_steps, 0.0, math.inf)
@@ -104,6 +105,7 @@ def schedule_epsilon(q, noise_multiplier, num_steps, delta, orders=DEFAULT_ORDER
     """
     for name, value in (("q", q), ("noise_multiplier", noise_multiplier), ("num_steps", num_steps)):
         _validate.check_nonempty(name, value)
+    _validate.check_broadcastable(q=q, noise_multiplier=noise_multiplier, num_steps=num_steps)
     _validate.check_delta(delta)
     _validate.check_static_choice("method", method, ("improved", "classic"))
     # Validated eagerly (heterogeneous_rdp's checks see the concrete values), then one compiled program.

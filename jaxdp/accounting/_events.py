@@ -39,6 +39,7 @@ import numpy as np
 from .. import _validate
 from .._numerics import f64, float64
 from .._program_cache import persistent
+from .._pytree import register_dataclass
 from ._contraction import (
     pnsgd_contraction_delta,
     step_contraction,
@@ -196,7 +197,9 @@ def _event(data: tuple[str, ...], meta: tuple[str, ...]):
 
     def wrap(cls):
         cls = dataclasses.dataclass(frozen=True, eq=False)(cls)
-        return jax.tree_util.register_dataclass(cls, data_fields=list(data), meta_fields=list(meta))
+        # Not jax.tree_util.register_dataclass: its structures of Gaussian and Laplace compare
+        # equal, so a compiled program of one could run on the other (see jaxdp/_pytree.py).
+        return register_dataclass(cls, data, meta)
 
     return wrap
 
@@ -425,6 +428,7 @@ def dpsgd_event(q, noise_multiplier, num_steps) -> SelfComposed:
       >>> round(float(jaxdp.accounting.epsilon(ev, 1e-5)), 6)
       2.594363
     """
+    _validate.check_broadcastable(q=q, noise_multiplier=noise_multiplier, num_steps=num_steps)
     return SelfComposed(PoissonSampled(q, Gaussian(noise_multiplier)), num_steps)
 
 

@@ -258,6 +258,7 @@ def gaussian_mechanism_epsilon(delta, noise_multiplier) -> jax.Array:
       >>> round(float(jaxdp.accounting.gaussian_mechanism_epsilon(1e-5, 1.0)), 6)
       4.377178
     """
+    _validate.check_broadcastable(delta=delta, noise_multiplier=noise_multiplier)
     _validate.check_delta(delta)
     _check_noise_multiplier(noise_multiplier)
     return _gaussian_eps_core(f64(delta), f64(noise_multiplier))

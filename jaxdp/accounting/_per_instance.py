@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _validate
-from .._numerics import f64, float64, take
+from .._numerics import f64, float64, read_only, take
+from .._pytree import register_dataclass
 from ._conversion import rdp_to_epsilon
 from ._rdp import sampled_gaussian_rdp
 
@@ -60,7 +61,7 @@ _ROUNDINGS = ("levels", "ceil")
 
 
 @functools.partial(
-    jax.tree_util.register_dataclass,
+    register_dataclass,  # not JAX's: see jaxdp/_pytree.py
     data_fields=["epsilon", "order", "rdp", "halt_step"],
     meta_fields=["analysis", "assumptions"],
 )
@@ -321,7 +322,7 @@ def _plan(orders_key, num_steps, ckpt_key, p, rounding, levels) -> _Plan:
         counts.append(cnt)
         lam_g.append(lmax)
         stops.append(starts[-1] + len(uniq))
-    return _Plan(
+    return read_only(_Plan(  # cached: shared by later calls
         grid=grid,
         blocks=tuple(blocks),
         starts=tuple(starts),
@@ -331,7 +332,7 @@ def _plan(orders_key, num_steps, ckpt_key, p, rounding, levels) -> _Plan:
         lam=np.concatenate(lam_g),
         first=flat_all[:, 0].astype(np.int64),
         max_rounding=float(ratio),
-    )
+    ))
 
 
 def _grid_index(r, r_grid: int):

@@ -16,7 +16,7 @@ import numpy as np
 from scipy import special as _sp
 
 from .. import _validate
-from .._numerics import crvz_weights, f64, float64, log_expm1, log_ndtr, signed_logsumexp, take
+from .._numerics import crvz_weights, f64, float64, log_expm1, log_ndtr, read_only, signed_logsumexp, take
 from .._program_cache import persistent
 
 __all__ = ["DEFAULT_ORDERS", "gaussian_rdp", "sampled_gaussian_rdp", "heterogeneous_rdp"]
@@ -182,7 +182,7 @@ def _plan(orders_key: tuple[float, ...]) -> _Plan:
             n_i=n_i,
         )
     max_int = int(max((g.alpha.max() for g in groups), default=0))
-    return _Plan(len(orders), tuple(groups), frac, max_int)
+    return read_only(_Plan(len(orders), tuple(groups), frac, max_int))  # cached: shared by later calls
 
 
 def _log_am1_integer(g: _IntGroup, log_q, log_1mq, log_expm1_k):
@@ -369,6 +369,7 @@ def sampled_gaussian_rdp(orders, q, noise_multiplier) -> jax.Array:
     orders_np = _validate.concrete_orders(orders)
     _validate.check_nonempty("q", q)
     _validate.check_nonempty("noise_multiplier", noise_multiplier)
+    _validate.check_broadcastable(q=q, noise_multiplier=noise_multiplier)
     _validate.check_in_range("q", q, 0.0, 1.0)
     _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True)
     return _sgm_rdp_jit(tuple(orders_np.tolist()), f64(q), f64(noise_multiplier))
@@ -452,6 +453,7 @@ def heterogeneous_rdp(orders, q, noise_multiplier, num_steps) -> jax.Array:
       [2.0, 4.0]
     """
     _validate.check_nonempty("num_steps", num_steps)
+    _validate.check_broadcastable(q=q, noise_multiplier=noise_multiplier, num_steps=num_steps)
     _validate.check_in_range("num_steps", num_steps, 0.0, math.inf)
     # sampled_gaussian_rdp's checks, on the concrete values, before the one compiled program.
     orders_np = _validate.concrete_orders(orders)

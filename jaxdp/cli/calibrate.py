@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+import sys
 
-from ._common import add_conversion_options, emit, number, orders
+from ._common import EXIT_FAILURE, add_conversion_options, emit, number, orders, step_count
 
 
 def add_parser(sub) -> None:
@@ -13,7 +14,8 @@ def add_parser(sub) -> None:
                                    "epsilon, recomputed, never exceeds the target.")
     p.add_argument("--epsilon", type=number("--epsilon"), required=True, help="target epsilon (> 0)")
     p.add_argument("--q", type=number("--q"), required=True, help="Poisson sampling rate in [0, 1]")
-    p.add_argument("--num-steps", type=number("--num-steps"), required=True, help="number of noisy steps (>= 0)")
+    p.add_argument("--num-steps", type=step_count("--num-steps"), required=True,
+                   help="number of noisy steps (a whole number >= 0)")
     p.add_argument("--delta", type=number("--delta"), required=True, help="target delta in (0, 1)")
     add_conversion_options(p)
     p.add_argument("--accountant", choices=("rdp", "pld"), default="rdp",
@@ -36,8 +38,14 @@ def run(args) -> int:
     payload = dict(target_epsilon=args.epsilon, q=args.q, num_steps=args.num_steps, delta=args.delta,
                    accountant="pld" if pld else "rdp", noise_multiplier=nm, epsilon=eps, at_lower_bound=at_lower)
     if not math.isfinite(nm):
-        emit(args, payload, [f"no noise multiplier in the search range reaches epsilon <= {args.epsilon:g}"])
-        return 1
+        # Not a bad value of one option but a target out of reach: exit 1, the error on stderr
+        # (with --json the payload still goes to stdout, noise_multiplier "inf").
+        if args.json:
+            emit(args, payload, [])
+        print(f"jaxdp: error: --epsilon {args.epsilon:g} is not reachable: no noise multiplier in the search range "
+              f"gives epsilon <= {args.epsilon:g} at --delta {args.delta:g} (q={args.q:g}, "
+              f"steps={args.num_steps:g}); raise --epsilon or --delta, or lower --q or --num-steps", file=sys.stderr)
+        return EXIT_FAILURE
     if at_lower:
         # The target is met at the bracket's lower end: that end is not a threshold.
         emit(args, payload, [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import sys
 
-from ._common import add_conversion_options, emit, number, orders
+from ._common import add_conversion_options, emit, number, orders, step_count
 
 
 def add_parser(sub) -> None:
@@ -16,7 +16,8 @@ def add_parser(sub) -> None:
     p.add_argument("--q", type=number("--q"), required=True, help="Poisson sampling rate in [0, 1]")
     p.add_argument("--noise-multiplier", type=number("--noise-multiplier"), required=True,
                    help="noise std over the sensitivity C of the clipped sum (> 0)")
-    p.add_argument("--num-steps", type=number("--num-steps"), required=True, help="number of noisy steps (>= 0)")
+    p.add_argument("--num-steps", type=step_count("--num-steps"), required=True,
+                   help="number of noisy steps (a whole number >= 0)")
     p.add_argument("--delta", type=number("--delta"), required=True, help="target delta in (0, 1)")
     add_conversion_options(p)
     p.add_argument("--accountant", choices=("rdp", "pld"), default="rdp",

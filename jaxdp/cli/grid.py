@@ -14,7 +14,7 @@ import os
 import shutil
 import sys
 
-from ._common import UsageError, add_conversion_options, check_out_dir, emit, fmt, orders, values
+from ._common import UsageError, add_conversion_options, check_out_dir, emit, fmt, orders, report_disk_full, values
 
 MAX_PANELS = 24  # steps values drawn per heat map; beyond, evenly spaced ones (said in figure and output)
 
@@ -77,10 +77,21 @@ def run(args) -> int:
         print(f"jaxdp: interrupted; the finished chunks are kept in {args.out!r}: run the same command again "
               "to resume", file=sys.stderr)
         return 130
+    except OSError as exc:  # a full disk: one line naming the file and the free space, exit 1
+        status = report_disk_full(exc)
+        if status is None:
+            raise
+        return status
     eps = res.epsilon
     n = eps.size
     csv_path = os.path.join(args.out, "epsilon_grid.csv")
-    grids.write_grid_csv(csv_path, res)
+    try:
+        grids.write_grid_csv(csv_path, res)  # removes its temporary file on failure
+    except OSError as exc:
+        status = report_disk_full(exc)
+        if status is None:
+            raise
+        return status
     eps_min, eps_max = float(np.nanmin(eps)), float(np.nanmax(eps))
     shown = _panels(len(steps))
     png_paths = [os.path.join(args.out, "epsilon_grid.png" if len(deltas) == 1 else f"epsilon_grid_delta{d:g}.png")

@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-from ._common import error, fmt, option_message
+from ._common import data_error, error, fmt, integer, option_message, report_disk_full
 
 
 class _Usage(ValueError):
@@ -47,7 +47,7 @@ def add_parser(sub) -> None:
     p.add_argument("--histogram", default="jaxdp_per_point.png", metavar="FILE",
                    help="histogram of per-point epsilon with the guarantee marked (default jaxdp_per_point.png; "
                         "'none' to skip)")
-    p.add_argument("--chunk-size", type=int, default=1024,
+    p.add_argument("--chunk-size", type=integer("--chunk-size", 1), default=1024,
                    help="records per compiled gradient-norm call: sets the memory (default 1024)")
     p.add_argument("--r-grid", type=int, default=None, metavar="M",
                    help="round each clipped-norm ratio r up to a multiple of 1/M (a power of two, e.g. 16384) for "
@@ -76,17 +76,20 @@ def _load(text: str):
         return data.load_digits()
     try:
         return data.load_mnist(text)
-    except FileNotFoundError as err:
-        raise _Usage(f"--data: {str(err).splitlines()[0]}") from None
+    except (FileNotFoundError, ValueError) as err:  # one line naming --data and the file
+        raise _Usage(str(data_error("--data", err))) from None
 
 
-def _model(checkpoint_dir: str, ds):
-    """The model ``jaxdp train`` built for the run in ``checkpoint_dir``, and its data."""
+def _model(checkpoint_dir: str, ds, data: str = "digits"):
+    """The model ``jaxdp train`` built for the run in ``checkpoint_dir``, and its data (``--data``)."""
     from flax import nnx
 
     from .. import models
     from ..training import Checkpointer
 
+    if os.path.exists(checkpoint_dir) and not os.path.isdir(checkpoint_dir):
+        raise _Usage(f"--checkpoint-dir {checkpoint_dir!r} is a file, not a folder; expected the folder of a DP-SGD "
+                     "run's checkpoints")
     ck = Checkpointer(checkpoint_dir)
     try:
         if ck.latest_step() is None:
@@ -98,6 +101,12 @@ def _model(checkpoint_dir: str, ds):
     if config.get("algorithm") != "dpsgd":
         raise _Usage(f"--checkpoint-dir {checkpoint_dir!r} does not hold a DP-SGD run (jaxdp train --algorithm dpsgd)")
     d, rngs, kind = ds.x_train.shape[1], nnx.Rngs(0), config.get("model")
+    # The run's first weight matrix has one row per feature; its ledger counts the records.
+    features = next((shape[0] for shape, _ in (meta.get("_arrays") or {}).values() if len(shape) == 2), None)
+    records = (meta.get("ledger") or {}).get("records")
+    if (features is not None and features != d) or (records is not None and records != len(ds.x_train)):
+        raise _Usage(f"--data {data!r} is not the training data of the run in --checkpoint-dir: the run trained on "
+                     f"{records} records of {features} features, --data gives {len(ds.x_train)} records of {d}")
     if kind == "SoftmaxRegression":
         return models.SoftmaxRegression(d, ds.num_classes, rngs=rngs), ds
     if kind == "LogisticRegression":  # jaxdp train's logistic model: odd vs even
@@ -162,7 +171,7 @@ def run(args) -> int:
         if args.r_grid is not None and (args.r_grid < 2 or args.r_grid & (args.r_grid - 1)):
             raise _Usage(f"--r-grid must be a power of two >= 2 (e.g. 16384); got {args.r_grid}")
         ds = _load(args.data)
-        model, ds = _model(args.checkpoint_dir, ds)
+        model, ds = _model(args.checkpoint_dir, ds, args.data)
         from ..training import clipped_norms_at_checkpoints, per_point_privacy
 
         norms = clipped_norms_at_checkpoints(model, ds, args.checkpoint_dir, chunk_size=args.chunk_size)
@@ -170,7 +179,8 @@ def run(args) -> int:
     except _Usage as err:
         return error(str(err))
     except (ValueError, TypeError, FileNotFoundError) as err:
-        return error(option_message(str(err)))
+        status = report_disk_full(err)  # a full disk wrapped in another error: exit 1, not a usage error
+        return error(option_message(str(err))) if status is None else status
 
     n = len(res.estimate.epsilon)
     est, led = res.summary(), res.summary(res.ledger.epsilon)
@@ -211,7 +221,8 @@ def run(args) -> int:
         try:
             write(path)
         except OSError as exc:
-            print(f"jaxdp: error: {option} cannot write {path!r}: {exc.strerror or exc}", file=sys.stderr)
+            if report_disk_full(exc if exc.filename else OSError(exc.errno, exc.strerror, path)) is None:
+                print(f"jaxdp: error: {option} cannot write {path!r}: {exc.strerror or exc}", file=sys.stderr)
             status = 1
             continue
         if not args.json:

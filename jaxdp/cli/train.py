@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 import warnings
 
-from ._common import error, option_message
+from ._common import check_out_dir, data_error, error, option_message, seed
 
 _MODELS = ("logistic", "softmax", "mlp")
 _SBCD_HIDDEN = "dpsbcd hidden-state (Chen & Liu Thm 4.6, layers summed)"  # the report's name for it
@@ -73,9 +74,9 @@ def add_parser(sub) -> None:
                    help="dpsbcd: weight decay lambda of the proximal step (default 0)")
     p.add_argument("--max-spectral-norm", type=float, default=3.0,
                    help="dpsbcd: spectral-norm bound rho of every layer of the Lipschitz MLP (default 3)")
-    p.add_argument("--order-seed", type=int, default=0,
+    p.add_argument("--order-seed", type=seed("--order-seed"), default=0,
                    help="public seed of the record order and the model's initialisation (default 0)")
-    p.add_argument("--insecure-noise-seed", type=int, default=None, metavar="N",
+    p.add_argument("--insecure-noise-seed", type=seed("--insecure-noise-seed"), default=None, metavar="N",
                    help="fix the seed of the noise and stopping time, for tests and reproductions only: the run is "
                         "then NOT private (by default that key comes from the OS entropy and is never shown)")
     p.add_argument("--schedule", choices=("fixed", "random-stop"), default="fixed",
@@ -111,8 +112,8 @@ def _load(args):
     loader = data.load_mnist if args.dataset == "mnist" else data.load_fashion_mnist
     try:
         return loader(args.data_path)
-    except FileNotFoundError as err:
-        raise _Usage(f"--data-path: {str(err).splitlines()[0]}") from None
+    except (FileNotFoundError, ValueError) as err:  # one line naming --data-path and the file
+        raise _Usage(str(data_error("--data-path", err))) from None
 
 
 _NOT_PRIVATE = ("NOT PRIVATE (--insecure-noise-seed): anyone who knows that seed can regenerate the noise and "
@@ -197,6 +198,8 @@ def run(args) -> int:
     try:
         if str(args.plot).lower() != "none":
             _check_writable(args.plot)
+        if args.checkpoint_dir is not None:  # a file, or a read-only folder, fails now, not after a pass
+            check_out_dir(args.checkpoint_dir, "--checkpoint-dir")
         sbcd = {}
         if args.algorithm == "dpsbcd":
             sbcd, passes = _dpsbcd_options(args, passes)
@@ -226,6 +229,8 @@ def run(args) -> int:
         total = time.perf_counter() - start
     except (ValueError, TypeError) as err:
         return error(_cli_message(str(err)))
+    except FloatingPointError as err:  # TrainingDivergedError: a broken model gets no report
+        return error(_cli_message(str(err)), status=1)
 
     rep, led = res.privacy, res.state.ledger
     worst = rep.summary()["worst"]
@@ -233,7 +238,7 @@ def run(args) -> int:
     payload = {
         "private": not led.fixed_noise_seed, "epsilon_worst": worst, "delta": rep.delta, "analysis": rep.analysis,
         "reason": rep.reason, "dataset": ds.name, "model": args.model, "algorithm": args.algorithm,
-        "test_accuracy": res.test_accuracy, "epsilon": rep.summary(), "ledger": led.to_json(),
+        "test_accuracy": res.test_accuracy, "epsilon": rep.summary(), "ledger": led.public(),
         "train_seconds": res.seconds, "total_seconds": total,
     }
     if args.algorithm == "dpsgd":
@@ -246,11 +251,14 @@ def run(args) -> int:
         payload["by_analysis"] = {name: rep.summary(v) for name, v in rep.by_analysis.items()}
         payload["amplified"] = rep.summary(rep.amplified) if rep.amplified is not None else None
         payload["composition"] = rep.summary(rep.composition)
-        if led.schedule == "random_stop":
-            payload["ledger"].pop("total_steps")  # the stopping time stays secret
-            payload["ledger"].pop("steps_done")
         lines = _pnsgd_lines(ds, args, res, rep, led, total)
     payload["plot"] = plot
+    if args.checkpoint_dir is not None:
+        signed = bool(os.environ.get("JAXDP_CHECKPOINT_KEY"))
+        payload["checkpoints_authenticated"] = signed
+        lines.append(f"checkpoints in {args.checkpoint_dir}: " + (
+            "signed with $JAXDP_CHECKPOINT_KEY (HMAC-SHA-256)" if signed else
+            "unauthenticated (set JAXDP_CHECKPOINT_KEY to sign them, so that an edited checkpoint is refused)"))
     title = (f"PNSGD, {args.model} on {ds.name}: {led.passes} pass(es), b={led.batch_size}, "
              f"eta={led.learning_rate:g}, nu={led.noise_multiplier:g}; accuracy {res.test_accuracy:.3f}"
              if args.algorithm == "pnsgd" else

@@ -20,6 +20,8 @@ from __future__ import annotations
 import gzip
 import math
 import os
+import zipfile
+import zlib
 from pathlib import Path
 from typing import NamedTuple
 
@@ -88,38 +90,47 @@ def _split(x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int):
 
 
 def _check_features(name: str, x) -> np.ndarray:
+    """``x`` as ``(n, d)`` real numbers, n ≥ 1 and d ≥ 1, all finite; errors name ``name``."""
     x = np.asarray(x)
     if x.ndim < 2:
-        raise ValueError(f"{name} must have shape (n, d, ...) with one row per example; got {x.shape}.")
-    if not np.issubdtype(x.dtype, np.number) or np.issubdtype(x.dtype, np.complexfloating):
-        raise ValueError(f"{name} must hold real numbers; got dtype {x.dtype}.")
+        raise ValueError(f"{name} must have shape (n, d, ...) with one row per record; got shape {x.shape}.")
+    if x.dtype.kind not in "iuf":  # bool, complex, strings, objects, dates are not features
+        raise ValueError(f"{name} must hold real numbers (an integer or float dtype); got dtype {x.dtype}.")
+    if x.shape[0] == 0:
+        raise ValueError(f"{name} must hold at least one record; got shape {x.shape}.")
+    if math.prod(x.shape[1:]) == 0:
+        raise ValueError(f"{name} must hold at least one feature per record; got shape {x.shape}.")
     x = x.reshape(x.shape[0], -1)
     if np.issubdtype(x.dtype, np.floating):
         nan_rows = np.flatnonzero(np.isnan(x).any(axis=1))
         if nan_rows.size:
             raise ValueError(
                 f"{name} contains NaN features in {nan_rows.size} row(s) (first: row {nan_rows[0]}); "
-                "remove or impute them before training."
+                "expected finite features: remove or impute them before training."
             )
         inf_rows = np.flatnonzero(np.isinf(x).any(axis=1))
         if inf_rows.size:
             raise ValueError(
-                f"{name} contains infinite features in {inf_rows.size} row(s) (first: row {inf_rows[0]})."
+                f"{name} contains infinite features in {inf_rows.size} row(s) (first: row {inf_rows[0]}); "
+                "expected finite features."
             )
     return x
 
 
 def _check_labels(name: str, y, n: int) -> np.ndarray:
+    """``y`` as int32 class labels ≥ 0, shape ``(n,)``; errors name ``name``."""
     y = np.asarray(y)
     if y.shape != (n,):
-        raise ValueError(f"{name} must have shape ({n},), one label per example; got {y.shape}.")
-    if np.issubdtype(y.dtype, np.floating):
+        raise ValueError(f"{name} must have shape ({n},), one label per record; got shape {y.shape}.")
+    if y.dtype.kind == "f":
         if np.any(~np.isfinite(y)) or np.any(y != np.round(y)):
             raise ValueError(f"{name} must hold integer class labels; got non-integer values.")
-    elif not np.issubdtype(y.dtype, np.integer):
+    elif y.dtype.kind not in "iu":
         raise ValueError(f"{name} must hold integer class labels; got dtype {y.dtype}.")
     if n and y.min() < 0:
-        raise ValueError(f"{name} must hold labels >= 0; got {int(y.min())}.")
+        raise ValueError(f"{name} must hold labels >= 0; got {y.min():g}.")
+    if n and y.max() > np.iinfo(np.int32).max:
+        raise ValueError(f"{name} must hold labels < 2**31; got {y.max():g}.")
     return y.astype(np.int32)
 
 
@@ -152,8 +163,9 @@ def from_arrays(x, y, *, x_test=None, y_test=None, num_classes: int | None = Non
       A :class:`Dataset` with float32 features and int32 labels.
 
     Raises:
-      ValueError: for NaN or infinite features, mismatched shapes, non-integer or negative
-        labels, labels ``>= num_classes``, or rows above ``feature_norm_bound``.
+      ValueError: naming the argument, for no records or no features, features that are not
+        real numbers or not finite, mismatched shapes, non-integer or negative labels, labels
+        ``>= num_classes``, or rows above ``feature_norm_bound``.
 
     Examples:
       >>> import numpy as np
@@ -178,13 +190,14 @@ def from_arrays(x, y, *, x_test=None, y_test=None, num_classes: int | None = Non
     else:
         x_train, y_train, x_test, y_test = _split(x, y, test_fraction, seed)
         split_seed = seed
-    if x_train.shape[0] == 0:
-        raise ValueError("x must hold at least one example.")
     top = int(max(y_train.max(initial=0), y_test.max(initial=0)))
     if num_classes is None:
         num_classes = top + 1
+    elif isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)) or num_classes < 1:
+        raise ValueError(f"num_classes must be an integer >= 1; got {num_classes!r}.")
     elif top >= num_classes:
-        raise ValueError(f"labels must be < num_classes={num_classes}; got {top}.")
+        which = "y" if y_train.max(initial=0) == top else "y_test"
+        raise ValueError(f"{which} must hold labels in [0, num_classes) = [0, {num_classes}); got {top}.")
     if normalize:
         x_train, x_test = _normalize_rows(x_train), _normalize_rows(x_test)
         bound = 1.0
@@ -260,23 +273,83 @@ def read_idx(path) -> np.ndarray:
 
     Format: two zero bytes, a type byte (0x08 = uint8, ...), the number of dimensions,
     then each dimension as a big-endian uint32, then the data in C order.
+
+    Raises:
+      ValueError: naming ``path``, for a damaged gzip file or a file that is not IDX.
     """
     path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        raw = f.read()
+    gz = path.suffix == ".gz"
+    try:
+        with (gzip.open if gz else open)(path, "rb") as f:
+            raw = f.read()
+    except (EOFError, zlib.error, gzip.BadGzipFile) as err:
+        raise ValueError(f"path {str(path)!r} is a damaged gzip file ({_reason(err)}); expected a gzip-compressed "
+                         "IDX file.") from None
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
-        raise ValueError(f"{path} is not an IDX file (bad magic number).")
+        raise ValueError(f"path {str(path)!r} is not an IDX file (bad magic number); expected two zero bytes, a "
+                         f"type byte and the number of dimensions{' after decompression' if gz else ''}.")
     dtype, ndim = np.dtype(_IDX_DTYPES[raw[2]]), raw[3]
     header = 4 + 4 * ndim
+    if len(raw) < header:
+        raise ValueError(f"path {str(path)!r}: the IDX header announces {ndim} dimensions but the file ends after "
+                         f"{len(raw)} bytes.")
     shape = tuple(int(d) for d in np.frombuffer(raw[4:header], dtype=">u4"))
-    count = int(np.prod(shape)) if shape else 1
+    count = math.prod(shape)
     if len(raw) - header != count * dtype.itemsize:
         raise ValueError(
-            f"{path}: IDX header says shape {shape} ({count * dtype.itemsize} bytes) but the file "
+            f"path {str(path)!r}: the IDX header says shape {shape} ({count * dtype.itemsize} bytes) but the file "
             f"holds {len(raw) - header} data bytes."
         )
     return np.frombuffer(raw, dtype=dtype, offset=header).reshape(shape)
+
+
+def _reason(err: BaseException) -> str:
+    """The first line of an exception's message (its type when it has none), for one-line errors."""
+    text = str(err).splitlines()[0] if str(err) else ""
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+_NPZ_EXPECTED = ("expected a NumPy .npz archive (np.savez) holding the numeric arrays x_train, y_train, x_test, "
+                 "y_test")
+
+
+def _read_npz(path: Path) -> dict[str, np.ndarray]:
+    """The four arrays of an MNIST-style ``.npz``; every failure is a one-line ``ValueError`` naming ``path``.
+
+    Never unpickles: object arrays are refused (``allow_pickle=False``), and a file that is
+    not a zip archive is refused before NumPy sees it (NumPy would try it as a pickle).
+    """
+    where = f"path {str(path)!r}"
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as err:
+        raise ValueError(f"{where} cannot be read ({err.strerror or _reason(err)}); {_NPZ_EXPECTED}.") from None
+    if not head:
+        raise ValueError(f"{where} is an empty file (0 bytes); {_NPZ_EXPECTED}.")
+    if head not in (b"PK\x03\x04", b"PK\x05\x06"):
+        raise ValueError(f"{where} is not a .npz archive (no zip signature at its start); {_NPZ_EXPECTED}.")
+    arrays = {}
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            absent = [k for k in _IDX_FILES if k not in z.files]
+            if absent:
+                raise ValueError(f"{where} lacks the arrays {', '.join(absent)}; {_NPZ_EXPECTED}.")
+            for k in _IDX_FILES:
+                try:
+                    arrays[k] = z[k]
+                except ValueError as err:
+                    if "allow_pickle" in str(err):
+                        raise ValueError(f"{where}: {k} is an object array (pickled Python objects, never loaded); "
+                                         f"{_NPZ_EXPECTED}.") from None
+                    raise
+    except ValueError as err:
+        if str(err).startswith(where):
+            raise
+        raise ValueError(f"{where} is a damaged .npz archive ({_reason(err)}); {_NPZ_EXPECTED}.") from None
+    except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as err:
+        raise ValueError(f"{where} is a damaged .npz archive ({_reason(err)}); {_NPZ_EXPECTED}.") from None
+    return arrays
 
 
 def _find_idx(directory: Path, stem: str) -> Path | None:
@@ -302,16 +375,12 @@ def _load_local(path, kind: str, normalize: bool) -> Dataset:
     if path is None:
         raise _missing(kind, Path("."), "no path given")
     path = Path(os.fspath(path)).expanduser()
+    where = f"path {str(path)!r}"
     if path.is_file():
         if path.suffix != ".npz":
-            raise ValueError(f"{path} must be a .npz file or a directory of IDX files.")
-        with np.load(path, allow_pickle=False) as z:
-            absent = [k for k in _IDX_FILES if k not in z.files]
-            if absent:
-                raise ValueError(
-                    f"{path} lacks the arrays {absent}; it must hold x_train, y_train, x_test, y_test."
-                )
-            arrays = {k: z[k] for k in _IDX_FILES}
+            raise ValueError(f"{where} must be a .npz file or a directory of IDX files; got a {path.suffix or 'plain'} "
+                             "file.")
+        arrays = _read_npz(path)
     elif path.is_dir():
         found = {k: _find_idx(path, stem) for k, stem in _IDX_FILES.items()}
         absent = [_IDX_FILES[k] for k, p in found.items() if p is None]
@@ -320,10 +389,23 @@ def _load_local(path, kind: str, normalize: bool) -> Dataset:
         arrays = {k: read_idx(p) for k, p in found.items()}
     else:
         raise _missing(kind, path, "no such file or directory")
-    x_train = arrays["x_train"].astype(np.float64) / 255.0
-    x_test = arrays["x_test"].astype(np.float64) / 255.0
+    # Validated here, with the file's array names, before from_arrays sees them.
+    xs = {}
+    for part in ("train", "test"):
+        x, y = arrays[f"x_{part}"], arrays[f"y_{part}"]
+        x = _check_features(f"{where}: x_{part}", x)
+        if x.shape[1] != 784:
+            raise ValueError(f"{where}: x_{part} must hold 28x28 images, shape (n, 28, 28) or (n, 784); got shape "
+                             f"{arrays[f'x_{part}'].shape}.")
+        if x.min() < 0 or x.max() > 255:
+            raise ValueError(f"{where}: x_{part} must hold pixel values in [0, 255]; got values in "
+                             f"[{x.min():g}, {x.max():g}].")
+        y = _check_labels(f"{where}: y_{part}", y, x.shape[0])
+        if y.max() >= 10:
+            raise ValueError(f"{where}: y_{part} must hold labels in [0, 10); got {y.max()}.")
+        xs[part] = (x.astype(np.float64) / 255.0, y)
     return from_arrays(
-        x_train, arrays["y_train"], x_test=x_test, y_test=arrays["y_test"], num_classes=10,
+        xs["train"][0], xs["train"][1], x_test=xs["test"][0], y_test=xs["test"][1], num_classes=10,
         normalize=normalize, feature_norm_bound=None if normalize else 28.0, name=kind.lower(),
     )
 
@@ -343,6 +425,9 @@ def load_mnist(path, *, normalize: bool = True) -> Dataset:
 
     Raises:
       FileNotFoundError: with instructions, if the files are absent.
+      ValueError: one line naming ``path`` (and the array), for a damaged or foreign file (not a
+        zip archive, empty, truncated, a damaged gzip), object or string arrays, no records,
+        images that are not 28x28, pixels outside [0, 255], or labels outside [0, 10).
     """
     return _load_local(path, "MNIST", normalize)
 

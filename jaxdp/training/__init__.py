@@ -53,6 +53,7 @@ from ._ledger import PrivacyReport as PrivacyReport
 from ._ledger import privacy_report as privacy_report
 from ._loop import TrainResult as TrainResult
 from ._loop import TrainState as TrainState
+from ._loop import TrainingDivergedError as TrainingDivergedError
 from ._loop import accuracy as accuracy
 from ._loop import train as train
 from ._plan import PrivacyPlan as PrivacyPlan
@@ -66,6 +67,7 @@ __all__ += [
     "PrivacyReport",
     "TrainResult",
     "TrainState",
+    "TrainingDivergedError",
     "accuracy",
     "latest_checkpoint_step",
     "plan_privacy",

@@ -22,6 +22,22 @@ disagreement (see ``jaxdp.training.train``); a forger who rewrites the arrays th
 (e.g. rewinds the step counter together with the ledger) is beyond what a file on the
 user's own disk can prevent without a secret key.
 
+Authentication (optional): with a key (``Checkpointer(key=...)``, ``train``'s
+``checkpoint_key`` or the ``JAXDP_CHECKPOINT_KEY`` environment variable) each checkpoint
+also carries an HMAC-SHA-256 of the same digest under that key, and :meth:`Checkpointer.restore`
+refuses any checkpoint without a valid one: someone who edits the files (e.g. the
+configuration's noise multiplier, the step counter or ``fixed_noise_seed``) and recomputes
+the SHA-256 cannot forge it without the key. A signed checkpoint read without a key is
+refused too (it cannot be checked). Without a key, checkpoints are *unauthenticated*
+(:attr:`Checkpointer.authenticated` is False) and the command says so.
+
+Ownership: a run holds a lock on its folder (``.jaxdp.lock``, through ``filelock``) from
+:meth:`Checkpointer.acquire` until :meth:`Checkpointer.close`, so a second run started on
+the same folder fails at once, in one line; the lock dies with its process (a killed run
+can be resumed). Every save also records a random run identifier (``_run``, public: it is
+drawn independently of every secret), kept across resumes, so that readers can refuse a
+folder that holds checkpoints of two runs.
+
 Atomicity: orbax writes into ``<index>.orbax-checkpoint-tmp*`` and renames it to ``<index>``
 only once every item is complete, so a run killed mid-save leaves no directory that looks
 like a checkpoint; leftover temporary directories are ignored and removed the next time
@@ -36,8 +52,12 @@ or corrupted in place): remove it to resume from an older one.
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import hmac
 import json
+import os
+import secrets
 import shutil
 import warnings
 from pathlib import Path
@@ -50,6 +70,25 @@ __all__ = ["Checkpointer", "CheckpointError", "latest_checkpoint_step"]
 _TMP_MARK = ".orbax-checkpoint-tmp"
 _RESERVED = ("_integrity", "_pad")
 _PAD_TO = 1024
+_LOCK_NAME = ".jaxdp.lock"
+KEY_ENV = "JAXDP_CHECKPOINT_KEY"
+
+
+def _key_bytes(key) -> bytes | None:
+    """The HMAC key: ``key`` (str or bytes), else ``$JAXDP_CHECKPOINT_KEY``, else None."""
+    if key is None:
+        key = os.environ.get(KEY_ENV) or None
+    if key is None:
+        return None
+    if isinstance(key, str):
+        key = key.encode()
+    if not isinstance(key, (bytes, bytearray)) or len(key) < 16:
+        raise ValueError(f"checkpoint_key (or ${KEY_ENV}) must be a string or bytes of at least 16 characters.")
+    return bytes(key)
+
+
+def _mac(key: bytes, digest: str) -> str:
+    return hmac.new(key, digest.encode(), hashlib.sha256).hexdigest()
 
 
 class CheckpointError(ValueError):
@@ -146,10 +185,46 @@ class Checkpointer:
       >>> ck.close()
     """
 
-    def __init__(self, directory, *, max_to_keep: int | None = 2):
+    def __init__(self, directory, *, max_to_keep: int | None = 2, key=None):
         self.directory = Path(directory).expanduser().absolute()
         self.max_to_keep = None if max_to_keep is None else int(max_to_keep)
         self._manager = None
+        self._key = _key_bytes(key)
+        self._lock = None
+        self.run_id = secrets.token_hex(8)  # public: drawn independently of every secret
+
+    @property
+    def authenticated(self) -> bool:
+        """True when checkpoints are signed and checked with a key (HMAC-SHA-256)."""
+        return self._key is not None
+
+    def acquire(self) -> None:
+        """Create the folder if needed and take its lock; one line if another run holds it.
+
+        Raises:
+          ValueError: the folder is a file, cannot be written, or another run holds its lock.
+        """
+        from filelock import FileLock, Timeout
+
+        where = str(self.directory)
+        if self.directory.exists() and not self.directory.is_dir():
+            raise ValueError(f"checkpoint_dir {where!r} is a file, not a folder.")
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            probe = self.directory / f".jaxdp-write-test-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as err:
+            if err.errno == errno.ENOSPC:
+                raise
+            raise ValueError(f"checkpoint_dir {where!r} cannot be written ({err.strerror or err}).") from None
+        lock = FileLock(str(self.directory / _LOCK_NAME))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            raise ValueError(f"checkpoint_dir {where!r} is in use by another run (it holds the folder's lock): "
+                             "wait for it to finish, or use another folder.") from None
+        self._lock = lock
 
     def _mngr(self):
         if self._manager is None:
@@ -188,12 +263,16 @@ class Checkpointer:
 
         meta = {k: v for k, v in metadata.items() if k not in _RESERVED}
         meta["_step"] = int(step)
+        meta["_run"] = self.run_id
         try:
             meta = json.loads(json.dumps(meta, allow_nan=True))  # what will be read back
         except (TypeError, ValueError) as err:
             raise ValueError(f"checkpoint metadata must be JSON-serialisable: {err}") from None
         arrays = {k: np.asarray(v) for k, v in arrays.items()}
-        meta["_integrity"] = {"sha256": _digest(meta, arrays)}
+        digest = _digest(meta, arrays)
+        meta["_integrity"] = {"sha256": digest}
+        if self._key is not None:
+            meta["_integrity"]["hmac_sha256"] = _mac(self._key, digest)
         size = len(json.dumps(meta, allow_nan=True)) + len(', "_pad": ""')
         meta["_pad"] = " " * (-size % _PAD_TO)
         present = _index_dirs(self.directory)
@@ -216,7 +295,7 @@ class Checkpointer:
             for other in _index_dirs(self.directory):
                 if other != index:
                     shutil.rmtree(self.directory / str(other), ignore_errors=True)
-            self.close()  # orbax's manager caches the list of steps
+            self._close_manager()  # orbax's manager caches the list of steps
 
     def restore(self, like: dict[str, Any], step: int | None = None) -> tuple[dict[str, np.ndarray], dict]:
         """Read the newest intact checkpoint (or the one of training ``step``) into arrays like ``like``.
@@ -245,6 +324,8 @@ class Checkpointer:
             if skipped:
                 warnings.warn(f"skipped what is not an intact checkpoint in {self.directory}: "
                               f"{'; '.join(skipped)}; resuming from checkpoint {index}.", UserWarning, stacklevel=3)
+            if isinstance(meta.get("_run"), str):
+                self.run_id = meta["_run"]  # a resumed run keeps its identifier
             return arrays, meta
         extra = f" ({'; '.join(skipped)})" if skipped else ""
         raise FileNotFoundError(f"no intact checkpoint to restore in {self.directory}{extra}.")
@@ -265,10 +346,20 @@ class Checkpointer:
         except Exception as err:  # orbax/tensorstore errors are pages long: one line instead
             raise CheckpointError(f"checkpoint {index} has unreadable arrays ({type(err).__name__}: "
                                   f"{str(err).splitlines()[0][:120] if str(err) else ''})") from None
-        if _digest(meta, arrays) != (meta.get("_integrity") or {}).get("sha256"):
+        digest = _digest(meta, arrays)
+        record = meta.get("_integrity") or {}
+        if digest != record.get("sha256"):
             raise _Refused(
                 f"checkpoint {index} in {str(self.directory)!r} fails its integrity check (its metadata or arrays "
                 "were edited or corrupted): refusing it; delete that folder to resume from an older checkpoint.")
+        mac = record.get("hmac_sha256")
+        if self._key is None and mac is not None:
+            raise _Refused(f"checkpoint {index} in {str(self.directory)!r} is signed: set the checkpoint key "
+                           f"(${KEY_ENV} or checkpoint_key) to check it.")
+        if self._key is not None and (not isinstance(mac, str) or not hmac.compare_digest(mac, _mac(self._key, digest))):
+            what = "is not signed" if mac is None else "has a wrong signature"
+            raise _Refused(f"checkpoint {index} in {str(self.directory)!r} {what} under the checkpoint key: it was "
+                           "not written by a run holding that key (or was edited); refusing it.")
         return arrays
 
     def steps(self) -> list[int]:
@@ -304,11 +395,48 @@ class Checkpointer:
         meta["_arrays"] = {k: [list(np.shape(v)), str(np.asarray(v).dtype)] for k, v in arrays.items()}
         self.save(step, arrays, meta, **kwargs)
 
-    def close(self) -> None:
-        """Release orbax's resources."""
+    def runs(self) -> set[str]:
+        """Run identifiers recorded in the intact metadata of this folder (one per run; old checkpoints: none)."""
+        found = set()
+        for index in _index_dirs(self.directory):
+            try:
+                run = _read_meta(self.directory, index).get("_run")
+            except CheckpointError:
+                continue
+            if isinstance(run, str):
+                found.add(run)
+        return found
+
+    def check_one_run(self) -> None:
+        """Raise a one-line ValueError if this folder holds checkpoints of more than one run.
+
+        Two runs show as two run identifiers, or (checkpoints without one) as two
+        checkpoints of the same training step.
+        """
+        runs, seen = set(), set()
+        for index in _index_dirs(self.directory):
+            try:
+                meta = _read_meta(self.directory, index)
+            except CheckpointError:
+                continue
+            if isinstance(meta.get("_run"), str):
+                runs.add(meta["_run"])
+            if meta["_step"] in seen or len(runs) > 1:
+                raise ValueError(f"checkpoint_dir {str(self.directory)!r} holds checkpoints of more than one run: "
+                                 "use a folder written by one run only.")
+            seen.add(meta["_step"])
+
+    def _close_manager(self) -> None:
         if self._manager is not None:
             self._manager.close()
             self._manager = None
+
+    def close(self) -> None:
+        """Release orbax's resources and the folder's lock."""
+        self._close_manager()
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
 
 def _first_difference(a: dict, b: dict) -> str:

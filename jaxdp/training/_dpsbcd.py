@@ -172,7 +172,7 @@ def _make_segment(num_layers, batch_size, steps_per_pass, rhos, power_iterations
             else:
                 grad, norms = _clipped_mean_grad(xb[d], xb[d] @ w - yb, clip_norm, 1.0)
             maxn = jnp.maximum(maxn, jnp.max(norms).astype(maxn.dtype))
-            clipped = clipped + jnp.sum(norms > clip_norm).astype(clipped.dtype)
+            clipped = clipped + jnp.sum(~(norms <= clip_norm)).astype(clipped.dtype)  # NaN counts as above C
             noise = jax.random.normal(noise_keys[d], w.shape, w.dtype)
             w = w - learning_rate * grad + jnp.sqrt(2.0 * learning_rate * temp).astype(w.dtype) * noise
             kernels[d] = weight_decay_prox(w, learning_rate, weight_decay)
@@ -213,7 +213,8 @@ def _reason(ledger_kw, num_layers) -> str:
 
 def run_dpsbcd(model, x, y, x_test, y_test, *, learning_rate, noise_temperature, clip_norm, contraction,
                weight_decay, penalty, batch_size, passes, delta, order_seed, noise_seed, steps_per_call,
-               checkpoint_dir, checkpoint_every, resume, progress, account, callback, fingerprint):
+               checkpoint_dir, checkpoint_every, resume, progress, account, callback, fingerprint,
+               checkpoint_key=None):
     """Run DP-SBCD; the driver behind ``train(..., algorithm="dpsbcd")`` (arguments validated there or here)."""
     import warnings
 
@@ -221,7 +222,7 @@ def run_dpsbcd(model, x, y, x_test, y_test, *, learning_rate, noise_temperature,
 
     from .. import _validate
     from ._ledger import NOT_PRIVATE, DPSBCDLedger, privacy_report
-    from ._loop import TrainResult, TrainState, _open_checkpoints, _plan, _resume, _segments, _to_arrays
+    from ._loop import TrainResult, TrainState, _check_finite, _open_checkpoints, _plan, _resume, _segments, _to_arrays
 
     if not isinstance(model, LipschitzMLP):
         raise ValueError(f"model must be a jaxdp.models.LipschitzMLP (bias-free ReLU network) with "
@@ -289,7 +290,7 @@ def run_dpsbcd(model, x, y, x_test, y_test, *, learning_rate, noise_temperature,
         "weight_decay": float(weight_decay), "penalty": float(penalty), "batch_size": int(batch_size),
         "delta": float(delta), "order_seed": int(order_seed), "steps_per_call": int(steps_per_call), **ledger_kw,
     }
-    ckpt = _open_checkpoints(checkpoint_dir, resume)
+    ckpt = _open_checkpoints(checkpoint_dir, resume, checkpoint_key)
     if noise_seed is not None:
         warnings.warn(f"noise_seed is fixed: {NOT_PRIVATE}.", UserWarning, stacklevel=3)
     ledger = DPSBCDLedger(
@@ -313,7 +314,7 @@ def run_dpsbcd(model, x, y, x_test, y_test, *, learning_rate, noise_temperature,
     state = TrainState(params=kernels, opt_state=(vectors, tuple(xs), tuple(us), _secret_key(noise_seed)),
                        step=jnp.zeros((), jnp.int32), order=order, total_steps=jnp.asarray(total, jnp.int32),
                        max_grad_norm=jnp.zeros((), jnp.float32), clipped=jnp.zeros((), jnp.int32), ledger=ledger)
-    state = _resume(ckpt, state, config, checkpoint_dir, DPSBCDLedger)
+    state, _ = _resume(ckpt, state, config, checkpoint_dir, DPSBCDLedger)
 
     segment = _make_segment(num_layers, int(batch_size), m, tuple(float(layer.max_spectral_norm) for layer in layers),
                             int(layers[0].power_iterations))
@@ -339,6 +340,7 @@ def run_dpsbcd(model, x, y, x_test, y_test, *, learning_rate, noise_temperature,
             carry = (state.params, vecs, xs, us, key, state.step, state.max_grad_norm, state.clipped)
             carry = segment(carry, X, Y, state.order, step_temps, jnp.asarray(first, jnp.int32), *scalars,
                             length=length)
+            _check_finite(carry[0], carry[6], "DP-SBCD")
             steps_done = int(carry[5])
             led = state.ledger._replace(steps_done=steps_done, max_grad_norm=float(carry[6]))
             state = state._replace(params=carry[0], opt_state=carry[1:5], step=carry[5], max_grad_norm=carry[6],

@@ -42,9 +42,10 @@ _OVERFLOW = 1e-2
 
 def train_dpsgd(model, x, y, x_test, y_test, *, loss_fn, learning_rate, optimizer, noise_multiplier, clip_norm,
                 batch_size, passes, delta, order_seed, noise_seed, steps_per_call, checkpoint_dir,
-                checkpoint_every, resume, progress, account, callback, use_fast_path, fingerprint, mesh=None):
+                checkpoint_every, resume, progress, account, callback, use_fast_path, fingerprint, mesh=None,
+                checkpoint_key=None):
     """Run DP-SGD; arguments as validated by :func:`jaxdp.training.train`."""
-    from ._loop import TrainState, _finish, _open_checkpoints, _resume, _secret_key, _to_arrays
+    from ._loop import TrainState, _check_finite, _finish, _open_checkpoints, _resume, _secret_key, _to_arrays
 
     _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True)
     if clip_norm is None:
@@ -79,7 +80,7 @@ def train_dpsgd(model, x, y, x_test, y_test, *, loss_fn, learning_rate, optimize
         "noise_multiplier": float(noise_multiplier), "clip_norm": float(clip_norm), "batch_size": int(batch_size),
         "passes": int(passes), "delta": float(delta), "order_seed": int(order_seed), "steps_per_call": steps_per_call,
     }
-    ckpt = _open_checkpoints(checkpoint_dir, resume)
+    ckpt = _open_checkpoints(checkpoint_dir, resume, checkpoint_key)
     if ckpt is not None:
         ckpt.max_to_keep = None  # every checkpoint stays: per-instance accounting reads them all
 
@@ -106,7 +107,7 @@ def train_dpsgd(model, x, y, x_test, y_test, *, loss_fn, learning_rate, optimize
                        order=jnp.zeros((1,), jnp.int32), total_steps=jnp.asarray(total, jnp.int32),
                        max_grad_norm=jnp.zeros((), jnp.float32), clipped=jnp.zeros((), jnp.int32), ledger=ledger,
                        sample_key=k_sample)
-    state = _resume(ckpt, state, config, checkpoint_dir, DPSGDLedger)
+    state, _ = _resume(ckpt, state, config, checkpoint_dir, DPSGDLedger)
 
     pdtype = jnp.result_type(*jax.tree.leaves(params0))
     X = jnp.asarray(x, dtype=pdtype)
@@ -151,6 +152,7 @@ def train_dpsgd(model, x, y, x_test, y_test, *, loss_fn, learning_rate, optimize
                 carry = run_one(carry)
                 length = 1
             s += length
+            _check_finite(carry[0], carry[3], "DP-SGD")
             led = state.ledger._replace(steps_done=s, max_grad_norm=float(carry[3]))
             state = state._replace(params=carry[0], opt_state=carry[1], step=carry[2], max_grad_norm=carry[3],
                                    sample_key=carry[4], ledger=led)

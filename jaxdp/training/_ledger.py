@@ -113,13 +113,29 @@ class PrivacyLedger(NamedTuple):
     intermediates_released: bool
 
     def to_json(self) -> dict[str, Any]:
-        """The ledger as a JSON-ready dict."""
+        """The ledger as a JSON-ready dict, secrets included: for checkpoints only (see :meth:`public`)."""
         return {k: v for k, v in self._asdict().items()}
+
+    def public(self) -> dict[str, Any]:
+        """What a report, JSON, log or plot may show.
+
+        With random stopping the number of steps is secret, and so is what depends on it
+        (the step counters, the clipping count and the largest gradient norm seen): they
+        are left out.
+        """
+        out = self.to_json()
+        if self.schedule == "random_stop":
+            for name in _SECRET_WITH_RANDOM_STOP:
+                out.pop(name)
+        return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> PrivacyLedger:
         """Inverse of :meth:`to_json`."""
         return cls(**{k: data[k] for k in cls._fields})
+
+
+_SECRET_WITH_RANDOM_STOP = ("total_steps", "steps_done", "clipped", "max_grad_norm")
 
 
 def demote(ledger: PrivacyLedger, reason: str) -> PrivacyLedger:
@@ -130,6 +146,12 @@ def demote(ledger: PrivacyLedger, reason: str) -> PrivacyLedger:
 
 
 def _clipping_reason(ledger: PrivacyLedger) -> str | None:
+    if ledger.clipped > 0 and getattr(ledger, "schedule", "fixed") == "random_stop":
+        # The count and the largest norm depend on the secret stopping time: not shown.
+        return (
+            f"a per-example gradient exceeded the clip norm C={ledger.clip_norm:g}: a clipped gradient is not "
+            "the gradient of the convex loss, so the update is not known to be a contraction"
+        )
     if ledger.clipped > 0:
         return (
             f"{ledger.clipped} per-example gradient(s) exceeded the clip norm C={ledger.clip_norm:g} "
@@ -147,7 +169,8 @@ class PrivacyReport(NamedTuple):
         ``"composition"``).
       reason: why this analysis.
       delta: the δ of every ε.
-      steps_done: steps accounted for.
+      steps_done: steps accounted for; ``None`` for random stopping, whose number of steps
+        is secret (the guarantee covers the randomly stopped pass whatever it was).
       positions: int array ``1..n``.
       epsilon: the reported ε per position (the best valid bound for ``analysis``).
       composition: ε per position if every iterate were released (always valid).
@@ -167,7 +190,7 @@ class PrivacyReport(NamedTuple):
     analysis: str
     reason: str
     delta: float
-    steps_done: int
+    steps_done: int | None
     positions: np.ndarray
     epsilon: np.ndarray
     composition: np.ndarray
@@ -212,8 +235,9 @@ class PrivacyReport(NamedTuple):
         lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
                  for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        head = (f"epsilon per record position at delta={self.delta:g} after {self.steps_done} steps; "
-                f"reported: {self.analysis}")
+        run = ("of one pass stopped at a secret uniform step" if self.steps_done is None
+               else f"after {self.steps_done} steps")
+        head = f"epsilon per record position at delta={self.delta:g} {run}; reported: {self.analysis}"
         if self.not_private:
             head = f"{NOT_PRIVATE}\n{head}"
         tail = [f"reason: {self.reason}"]
@@ -379,7 +403,8 @@ def _report(ledger: PrivacyLedger) -> PrivacyReport:
             amp = np.minimum(np.minimum(*by.values()), comp)
             by.update({"composition": comp, "best": amp})
         eps = amp if amp is not None else comp
-        return PrivacyReport(ledger.analysis, ledger.reason, ledger.delta, s, positions, eps, comp,
+        # No step count: the stopping time is secret, and the guarantee does not depend on it.
+        return PrivacyReport(ledger.analysis, ledger.reason, ledger.delta, None, positions, eps, comp,
                              amp, by, ledger.unused, exact)
     p, t = divmod(s, m)
     if s == 0:
@@ -470,6 +495,10 @@ class DPSGDLedger(NamedTuple):
     def to_json(self) -> dict[str, Any]:
         """The ledger as a JSON-ready dict."""
         return dict(self._asdict())
+
+    def public(self) -> dict[str, Any]:
+        """What a report, JSON, log or plot may show (everything: this run has no secret count)."""
+        return self.to_json()
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> DPSGDLedger:
@@ -570,6 +599,10 @@ class DPSBCDLedger(NamedTuple):
     def to_json(self) -> dict[str, Any]:
         """The ledger as a JSON-ready dict."""
         return dict(self._asdict())
+
+    def public(self) -> dict[str, Any]:
+        """What a report, JSON, log or plot may show (everything: this run has no secret count)."""
+        return self.to_json()
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> DPSBCDLedger:

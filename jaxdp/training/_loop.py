@@ -47,7 +47,7 @@ from ._ledger import NOT_PRIVATE, PrivacyLedger, PrivacyReport, demote, privacy_
 from ._plan import _is_schedule, _plan_privacy, declared_loss_fn, rate_config
 from ._transforms import _check_batch_size, _learning_rate_fn, pnsgd, pnsgd_noise_std
 
-__all__ = ["TrainResult", "TrainState", "accuracy", "train"]
+__all__ = ["TrainResult", "TrainState", "TrainingDivergedError", "accuracy", "train"]
 
 _SCHEDULES = ("fixed", "random_stop")
 _ALGORITHMS = ("pnsgd", "dpsgd", "dpsbcd")
@@ -166,6 +166,33 @@ def _check_features(x: np.ndarray) -> None:
             )
 
 
+def _check_labels(y: np.ndarray, model: nnx.Module, x: np.ndarray, loss_fn, num_classes: int | None) -> None:
+    """Labels that the model's own classification loss can use: integers in ``[0, classes)``.
+
+    ``classes`` is the data set's ``num_classes`` or, for ``(x, y)`` pairs, the model's
+    number of outputs (2 for one logit). A user's ``loss_fn`` may use any finite labels.
+    """
+    if x.shape[0] == 0:
+        raise ValueError("data holds no training record: x must have at least one row.")
+    if loss_fn is not None and num_classes is None:
+        if np.issubdtype(y.dtype, np.number) and not np.all(np.isfinite(y)):
+            raise ValueError("y contains NaN or infinite labels.")
+        return
+    if not (np.issubdtype(y.dtype, np.integer) or y.dtype == np.bool_):
+        raise ValueError(f"y must hold integer class labels for the model's classification loss; got dtype {y.dtype}.")
+    if num_classes is None and getattr(model, "loss", None) is not None:
+        try:
+            out = jax.eval_shape(model, jax.ShapeDtypeStruct((1, *x.shape[1:]), jnp.float32))
+            num_classes = max(2, int(out.shape[-1])) if out.ndim else 2
+        except Exception:  # a model that cannot be shaped here: its own loss will say what it needs
+            num_classes = None
+    lo, hi = int(y.min()), int(y.max())
+    if lo < 0 or (num_classes is not None and hi >= num_classes):
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"y holds the label {bad}, outside [0, {num_classes if num_classes is not None else 'classes'})"
+                         f" for this model/data set.")
+
+
 def _fingerprint(x: np.ndarray, y: np.ndarray) -> str:
     h = hashlib.sha256()
     for a in (x, y):
@@ -275,6 +302,34 @@ def _like_arrays(state: TrainState) -> dict[str, np.ndarray]:
 # ----------------------------------------------------------------------------------------
 
 
+class TrainingDivergedError(FloatingPointError):
+    """Training stopped because the model or a per-example gradient norm became NaN or infinite.
+
+    No privacy report is produced for such a run: its ε would describe a broken model.
+    """
+
+
+@jax.jit
+def _all_finite(params, max_grad_norm):
+    leaves = [jnp.all(jnp.isfinite(a)) for a in jax.tree.leaves(params) if jnp.issubdtype(a.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True), jnp.isfinite(max_grad_norm)
+
+
+def _check_finite(params, max_grad_norm, algorithm: str) -> None:
+    """Raise :class:`TrainingDivergedError` (one line) if the parameters or the largest norm are not finite."""
+    params_ok, norm_ok = (bool(v) for v in _all_finite(params, max_grad_norm))
+    if not params_ok:
+        raise TrainingDivergedError(
+            f"{algorithm} training stopped: the model's parameters became NaN or infinite (a learning_rate too "
+            "large for the parameters' dtype, a loss_fn whose gradient is NaN or inf, or features too large); no "
+            "privacy report is given for a broken model.")
+    if not norm_ok:
+        raise TrainingDivergedError(
+            f"{algorithm} training stopped: a per-example gradient norm was NaN or infinite (a loss_fn whose "
+            "gradient is NaN or inf, or features too large for the parameters' dtype); no privacy report is given "
+            "for a broken model.")
+
+
 def _make_step(graphdef, rest, loss_fn, tx, clip_norm, use_fast_path=None, mesh=None):
     """The PNSGD step ``(carry, xb, yb, count) -> carry`` that :func:`train` scans.
 
@@ -297,7 +352,8 @@ def _make_step(graphdef, rest, loss_fn, tx, clip_norm, use_fast_path=None, mesh=
         updates, opt_state = tx.update(g, opt_state, params)
         params = optax.apply_updates(params, updates)
         maxn = jnp.maximum(maxn, jnp.max(cg.norms).astype(maxn.dtype))
-        clipped = clipped + jnp.sum(cg.norms > jnp.asarray(clip_norm, cg.norms.dtype)).astype(clipped.dtype)
+        # NaN norms count as above C: the run-time check "no gradient exceeded C" must fail on them.
+        clipped = clipped + jnp.sum(~(cg.norms <= jnp.asarray(clip_norm, cg.norms.dtype))).astype(clipped.dtype)
         return (params, opt_state, step + 1, maxn, clipped)
 
     return one_step
@@ -330,6 +386,7 @@ def train(
     checkpoint_dir=None,
     checkpoint_every: int | None = None,
     resume: bool = False,
+    checkpoint_key: str | bytes | None = None,
     progress: bool = True,
     account: bool = True,
     callback: Callable[[TrainState], None] | None = None,
@@ -465,9 +522,16 @@ def train(
         step counter: an edited or corrupted checkpoint is refused in one line. Without
         ``resume``, a non-empty ``checkpoint_dir`` is an error, so no run silently restarts
         and spends its budget twice. Checkpoint folders are named by a save counter, never
-        by the step; with ``schedule="random_stop"`` the finished run keeps only its final
-        checkpoint, under the counter a whole pass would reach, so the listing does not
-        reveal the secret stopping step.
+        by the step; with ``schedule="random_stop"`` the loop runs the whole pass (steps
+        after the secret stopping time are masked no-ops, so no compiled program, progress
+        line, running time or checkpoint listing depends on it) and saves at the same
+        public positions whatever the stopping step. The folder is locked while the run
+        holds it: a second run on it fails at once.
+      checkpoint_key: a secret (str or bytes, >= 16 characters; default
+        ``$JAXDP_CHECKPOINT_KEY``) that signs every checkpoint with HMAC-SHA-256; a resumed
+        run then refuses checkpoints without a valid signature (edited configuration,
+        ledger or step counter). Without a key, checkpoints are unauthenticated: the
+        SHA-256 record catches corruption, not deliberate edits.
       progress: show a tqdm progress bar with ε (best/median/worst) as training goes,
         and print the final table (:meth:`~jaxdp.training.PrivacyReport.table`).
       account: compute the final :class:`~jaxdp.training.PrivacyReport`.
@@ -557,6 +621,9 @@ def train(
     _validate.check_static_choice("schedule", schedule, _SCHEDULES)
     if schedule == "random_stop" and passes != 1:
         raise ValueError(f"passes must be 1 with schedule='random_stop' (the random-stopping analyses are for one pass); got {passes}.")
+    if schedule == "random_stop" and return_intermediates:
+        raise ValueError("return_intermediates=True is not available with schedule='random_stop': the number of "
+                         "iterates would reveal the secret stopping time.")
     if isinstance(order_seed, bool) or not isinstance(order_seed, (int, np.integer)):
         raise ValueError(f"order_seed must be an integer; got {order_seed!r}.")
     if noise_seed is not None and (isinstance(noise_seed, bool) or not isinstance(noise_seed, (int, np.integer))):
@@ -581,6 +648,7 @@ def train(
     _check_features(x)
     if y.shape != (x.shape[0],):
         raise ValueError(f"y must have shape ({x.shape[0]},), one label per example; got {y.shape}.")
+    _check_labels(y, model, x, loss_fn, getattr(data, "num_classes", None))
     if mesh is not None:
         _check_same_data(_fingerprint(x, y))
 
@@ -592,7 +660,7 @@ def train(
             clip_norm=clip_norm, contraction=contraction, weight_decay=weight_decay, penalty=penalty,
             batch_size=batch_size, passes=passes, delta=delta, order_seed=order_seed, noise_seed=noise_seed,
             steps_per_call=steps_per_call, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-            resume=resume, progress=progress, account=account, callback=callback, fingerprint=_fingerprint(x, y))
+            resume=resume, checkpoint_key=checkpoint_key, progress=progress, account=account, callback=callback, fingerprint=_fingerprint(x, y))
     if algorithm == "dpsgd":
         from ._dpsgd_loop import train_dpsgd
 
@@ -609,8 +677,8 @@ def train(
             model, x, y, x_test, y_test, loss_fn=declared_loss_fn(model, loss_fn), learning_rate=learning_rate,
             optimizer=optimizer, noise_multiplier=noise_multiplier, clip_norm=clip_norm, batch_size=batch_size,
             passes=passes, delta=delta, order_seed=order_seed, noise_seed=noise_seed, steps_per_call=steps_per_call,
-            checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume, progress=progress,
-            account=account, callback=callback, use_fast_path=use_fast_path, fingerprint=_fingerprint(x, y),
+            checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
+            checkpoint_key=checkpoint_key, progress=progress, account=account, callback=callback, use_fast_path=use_fast_path, fingerprint=_fingerprint(x, y),
             mesh=mesh)
     # ---------------- planning: which analysis, and why (jaxdp.training.plan_privacy) ----------------
     pp = _plan_privacy(model, x, x_bound, learning_rate=learning_rate, radius=radius, batch_size=batch_size,
@@ -644,6 +712,10 @@ def train(
     pdtype = jnp.result_type(*leaves0)
     if not jnp.issubdtype(pdtype, jnp.floating):
         raise ValueError(f"model parameters must be floating point; got {pdtype}.")
+    top = math.sqrt(float(jnp.finfo(pdtype).max))
+    if float(radius) >= top:  # the projection squares R and the norm in the parameters' dtype
+        raise ValueError(f"radius must be below {top:.3g} for {pdtype} parameters (its square must be finite); "
+                         f"got {float(radius):g}.")
 
     config = {
         "format": _FORMAT, "model": type(model).__qualname__, "loss_fn": getattr(loss_fn, "__qualname__", repr(loss_fn)),
@@ -656,7 +728,7 @@ def train(
         "return_intermediates": bool(return_intermediates),
     }
 
-    ckpt = _open_checkpoints(checkpoint_dir, resume)
+    ckpt = _open_checkpoints(checkpoint_dir, resume, checkpoint_key)
 
     # ---------------- initial state ----------------
     order = jax.random.permutation(jax.random.key(int(order_seed)), plan.n_total).astype(jnp.int32)
@@ -693,7 +765,7 @@ def train(
         total_steps=jnp.asarray(total, jnp.int32), max_grad_norm=jnp.zeros((), jnp.float32),
         clipped=jnp.zeros((), jnp.int32), ledger=ledger,
     )
-    state = _resume(ckpt, state, config, checkpoint_dir, PrivacyLedger)
+    state, position = _resume(ckpt, state, config, checkpoint_dir, PrivacyLedger)
 
     # ---------------- compiled steps ----------------
     graphdef, _, rest = nnx.split(model, nnx.Param, ...)
@@ -707,32 +779,46 @@ def train(
 
     one_step = _make_step(graphdef, rest, loss_fn, tx, clip_norm, use_fast_path, mesh)
 
-    def run_full(carry, order, first_batch, length):
+    def masked_step(c, xb, yb, count, stop):
+        # Every public position runs a step; those after the (traced, secret) stopping time
+        # keep the carry unchanged. So no compiled program, trip count, progress line or
+        # running time depends on the stopping time. A fixed schedule passes stop = total.
+        new = one_step(c, xb, yb, count)
+        if schedule != "random_stop":
+            return new
+        active = c[2] < stop
+        return jax.tree.map(lambda n, o: jnp.where(active, n, o), new, c)
+
+    def run_full(carry, order, first_batch, stop, length):
         def body(c, j):
             idx = jax.lax.dynamic_slice(order, (j * b,), (b,))
-            c = one_step(c, X[idx], Y[idx], b)
+            c = masked_step(c, X[idx], Y[idx], b, stop)
             return c, (c[0] if return_intermediates else None)
 
         return jax.lax.scan(body, carry, first_batch + jnp.arange(length, dtype=jnp.int32))
 
-    def run_partial(carry, order):
+    def run_partial(carry, order, stop):
         idx = order[plan.full_batches * b: plan.full_batches * b + plan.last_batch]
-        c = one_step(carry, X[idx], Y[idx], plan.last_batch)
+        c = masked_step(carry, X[idx], Y[idx], plan.last_batch, stop)
         return c, (jax.tree.map(lambda a: a[None], c[0]) if return_intermediates else None)
 
     run_full_jit = jax.jit(run_full, static_argnames=("length",))
     run_partial_jit = jax.jit(run_partial)
 
     # ---------------- run ----------------
-    start = int(state.step)
+    # Positions are public: with random stopping the loop runs the whole pass (the steps
+    # after the secret stopping time are masked), so segments, progress, history and
+    # checkpoint times are the same whatever the stopping time.
+    start = position
     total = int(state.total_steps)
-    segments = _segments(start, total, plan, steps_per_call)
+    public_total = plan.steps_per_pass if schedule == "random_stop" else total
+    stop = state.total_steps
+    segments = _segments(start, public_total, plan, steps_per_call)
     pbar = None
     if progress:
         from tqdm.auto import tqdm
 
-        shown_total = plan.steps_per_pass if schedule == "random_stop" else total
-        pbar = tqdm(total=shown_total, initial=start, desc="PNSGD", unit="step", leave=True)
+        pbar = tqdm(total=public_total, initial=start, desc="PNSGD", unit="step", leave=True)
     history: list = []
     inter: list = []
     carry = (state.params, state.opt_state, state.step, state.max_grad_norm, state.clipped)
@@ -743,12 +829,14 @@ def train(
     try:
         for first, length, partial in segments:
             if partial:
-                carry, ys = run_partial_jit(carry, state.order)
+                carry, ys = run_partial_jit(carry, state.order, stop)
             else:
                 j0 = first % plan.steps_per_pass
-                carry, ys = run_full_jit(carry, state.order, jnp.asarray(j0, jnp.int32), length=length)
+                carry, ys = run_full_jit(carry, state.order, jnp.asarray(j0, jnp.int32), stop, length=length)
             if return_intermediates:
                 inter.append(jax.device_get(ys))
+            position = first + length
+            _check_finite(carry[0], carry[3], "PNSGD")
             steps_done = int(carry[2])
             clipped = int(carry[4])
             led = state.ledger._replace(steps_done=steps_done, clipped=clipped,
@@ -759,26 +847,22 @@ def train(
                 led = demote(led, _clipping_reason(led))
             state = TrainState(carry[0], carry[1], carry[2], state.order, state.total_steps, carry[3],
                                carry[4], led)
-            done = steps_done >= total
-            if ckpt is not None and (done or steps_done - last_saved >= checkpoint_every):
-                meta = {"ledger": led.to_json(), "config": config}
-                if done and schedule == "random_stop":
-                    # The stopped state alone, under the index a whole pass would reach: the finished
-                    # run's listing is the same whatever the secret stopping step.
-                    ckpt.save_train(steps_done, _to_arrays(state), meta, only=True,
-                                    index=_public_index(ckpt, plan.steps_per_pass, checkpoint_every))
-                else:
-                    ckpt.save_train(steps_done, _to_arrays(state), meta)
-                last_saved = steps_done
+            done = position >= public_total
+            if ckpt is not None and (done or position - last_saved >= checkpoint_every):
+                # The public position goes into the (secret-holding) checkpoint: a resumed
+                # random-stop run continues the pass from there.
+                meta = {"ledger": led.to_json(), "config": config, "position": position}
+                ckpt.save_train(steps_done, _to_arrays(state), meta)
+                last_saved = position
             if pbar is not None:
                 pbar.update(length)
                 now = time.perf_counter()
-                p, t = divmod(steps_done, plan.steps_per_pass)
+                p, t = divmod(position, plan.steps_per_pass)
                 if account and (done or now - last_report > 0.5) and (p == 0 or t == 0 or schedule == "random_stop"):
                     ta = time.perf_counter()
                     summ = privacy_report(led).summary()
                     t_acct += time.perf_counter() - ta
-                    history.append((steps_done, summ))
+                    history.append((position, summ))
                     pbar.set_postfix_str(
                         f"eps[{_short(led.analysis)}] best {summ['best']:.3g} med {summ['median']:.3g} "
                         f"worst {summ['worst']:.3g}")
@@ -800,12 +884,14 @@ def train(
                    seconds)
 
 
-def _open_checkpoints(checkpoint_dir, resume: bool):
-    """A Checkpointer for ``checkpoint_dir`` (or None); a non-empty one needs ``resume``."""
+def _open_checkpoints(checkpoint_dir, resume: bool, checkpoint_key=None):
+    """A locked Checkpointer for ``checkpoint_dir`` (or None); a non-empty one needs ``resume``."""
     if checkpoint_dir is None:
         return None
-    ck = Checkpointer(checkpoint_dir)
+    ck = Checkpointer(checkpoint_dir, key=checkpoint_key)
+    ck.acquire()  # before the emptiness check: a second run on the folder fails here, at once
     if not resume and _index_dirs(ck.directory):
+        ck.close()
         # No step in the message: with random stopping it is secret.
         raise ValueError(
             f"checkpoint_dir {str(checkpoint_dir)!r} already holds a checkpoint: pass "
@@ -814,19 +900,17 @@ def _open_checkpoints(checkpoint_dir, resume: bool):
     return ck
 
 
-def _public_index(ckpt, steps_per_pass: int, checkpoint_every: int) -> int:
-    """The save index of a random-stop run's final checkpoint: what a whole pass would reach."""
-    present = _index_dirs(ckpt.directory)
-    return max(-(-steps_per_pass // checkpoint_every) + 1, (present[0] + 1) if present else 1)
-
-
 def _refuse(ckpt, checkpoint_dir, what: str):
     ckpt.close()
     return ValueError(f"the checkpoint in {str(checkpoint_dir)!r} {what}; refusing to resume from it.")
 
 
-def _resume(ckpt, state: TrainState, config: dict, checkpoint_dir, ledger_cls) -> TrainState:
-    """``state`` from the newest intact checkpoint, if any, with its ledger recomputed.
+def _resume(ckpt, state: TrainState, config: dict, checkpoint_dir, ledger_cls) -> tuple[TrainState, int]:
+    """``(state, position)`` from the newest intact checkpoint, if any, with its ledger recomputed.
+
+    ``position`` is the public position the run continues from: the step counter, except
+    for random stopping, where steps past the secret stopping time are masked and the
+    position runs on to the end of the pass.
 
     A checkpoint of another configuration is refused. The stored ledger is not trusted:
     the ledger is recomputed from this run's configuration (``state.ledger``, built from the
@@ -836,7 +920,7 @@ def _resume(ckpt, state: TrainState, config: dict, checkpoint_dir, ledger_cls) -
     with a warning (:meth:`Checkpointer.restore`).
     """
     if ckpt is None or not _index_dirs(ckpt.directory):
-        return state
+        return state, int(state.step)
     try:
         arrays, meta = ckpt.restore(_like_arrays(state))
     except FileNotFoundError as err:
@@ -870,7 +954,14 @@ def _resume(ckpt, state: TrainState, config: dict, checkpoint_dir, ledger_cls) -
         # The values are not printed: steps_done and total_steps are secret with random stopping.
         raise _refuse(ckpt, checkpoint_dir, f"has a privacy ledger that disagrees with its configuration and step "
                                             f"counter (field {field})")
-    return restored._replace(ledger=expected)
+    step = int(restored.step)
+    position = meta.get("position", step)
+    last = getattr(state.ledger, "steps_per_pass", 0) if getattr(state.ledger, "schedule", "fixed") == "random_stop" \
+        else step
+    if isinstance(position, bool) or not isinstance(position, int) or not step <= position <= max(last, step) \
+            or (position > step and step != int(restored.total_steps)):
+        raise _refuse(ckpt, checkpoint_dir, "has an impossible position in the pass")
+    return restored._replace(ledger=expected), position
 
 
 def _expected_ledger(initial, restored: TrainState, stored):

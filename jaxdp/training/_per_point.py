@@ -237,6 +237,7 @@ def clipped_norms_at_checkpoints(model: nnx.Module, data, checkpoint_dir, *, los
         steps = ck.steps()
         if not steps:
             raise FileNotFoundError(f"no checkpoint in {str(checkpoint_dir)!r}.")
+        ck.check_one_run()
         meta = ck.metadata(steps[-1])
         config = meta.get("config") or {}
         if config.get("algorithm") != "dpsgd" or "ledger" not in meta:

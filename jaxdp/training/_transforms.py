@@ -133,7 +133,10 @@ def project_onto_l2_ball(tree: Any, radius) -> Any:
 
     with the global norm over all leaves, computed as
     :math:`R/\sqrt{\max(\lVert\theta\rVert^2, R^2)}`: no division by zero and finite
-    gradients at :math:`\theta = 0` (for :math:`R > 0`).
+    gradients at :math:`\theta = 0` (for :math:`R > 0`). Where :math:`\lVert\theta\rVert^2`
+    or :math:`R^2` overflows the dtype (e.g. :math:`R \gtrsim 1.8\cdot10^{19}` in float32)
+    the result is NaN, never a silently zeroed point: ``train`` refuses such a radius up
+    front and stops with :class:`~jaxdp.training.TrainingDivergedError` on such parameters.
 
     Args:
       tree: pytree of arrays.
@@ -156,6 +159,8 @@ def project_onto_l2_ball(tree: Any, radius) -> Any:
     sq = optax.tree.norm(tree, squared=True).astype(dtype)
     r = jnp.asarray(radius, dtype)
     scale = r / jnp.sqrt(jnp.maximum(sq, r * r))
+    # An overflowed square would give a factor 0 (the point silently sent to the centre): NaN instead.
+    scale = jnp.where((sq < jnp.inf) & (r * r < jnp.inf), scale, jnp.nan)
     return jax.tree.map(lambda x: x * scale.astype(x.dtype), tree)
 
 

@@ -325,6 +325,32 @@ def test_events_are_pytrees_with_static_structure():
         ev.events = ()
 
 
+
+def test_event_classes_have_distinct_tree_structures():
+    # Two CI runs got ε of Laplace(19.89) for Gaussian(19.89) (0.067 for 0.182) and δ of
+    # Gaussian(3.744) for Laplace(3.744) (0.0498 for 1e-5): registered with JAX's
+    # register_dataclass (jax 0.10.2), their tree structures compared equal though their
+    # hashes differ, so jit's caches could run one class's compiled program on the other
+    # (jaxdp/_pytree.py). Each class and static value needs a structure of its own.
+    pn = dict(lipschitz=1.0, smoothness=0.5, learning_rate=0.5, noise_std=2.0, diameter=1.0, num_records=4)
+    events = [A.Gaussian(1.0), A.Laplace(1.0), A.Gaussian(1.0, "replace_one"), A.Laplace(1.0, "replace_one"),
+              A.Composed((A.Gaussian(1.0),)), A.Composed((A.Laplace(1.0),)), A.SelfComposed(A.Gaussian(1.0), 2.0),
+              A.SelfComposed(A.Laplace(1.0), 2.0), A.PoissonSampled(0.1, A.Gaussian(1.0)),
+              A.PNSGD(**pn), A.PNSGD(**pn, hidden=False)]
+    structs = [jax.tree_util.tree_structure(e) for e in events]
+    for i, a in enumerate(structs):
+        for j, b in enumerate(structs):
+            assert (a == b) == (i == j), (events[i], events[j])
+    # Other values, same class: the same structure (one compiled program), and a round trip.
+    assert jax.tree_util.tree_structure(A.Laplace(3.0)) == structs[1]
+    back = jax.tree_util.tree_unflatten(structs[6], [5.0, 7.0])
+    assert type(back.event) is A.Gaussian and (back.event.noise_multiplier, back.count) == (5.0, 7.0)
+    # The accountant itself, each class after the other (the failing CI order, then reversed).
+    for first, second in ((A.Laplace, A.Gaussian), (A.Gaussian, A.Laplace)):
+        for cls in (first, second):
+            ref = float(A.rdp_to_epsilon(_reference_rdp(cls(19.89), FEW_ORDERS), FEW_ORDERS, DELTA).epsilon)
+            assert float(A.epsilon(cls(19.89), DELTA, orders=FEW_ORDERS)) == pytest.approx(ref, rel=CONSISTENCY_RTOL)
+
 def dataclass_error():
     import dataclasses
 

@@ -208,3 +208,18 @@ def test_extreme_sigma_never_below_truth():
     ref = np.array([sgm_rdp_quad(q, s, a, dps=60) for q, s, a in pts])
     assert np.all(got >= ref * (1 - 1e-15))
     assert np.all(got <= ref * 1.2)
+
+
+def test_cached_plans_are_read_only():
+    # The plans and weights are cached (functools) and shared by every later call with the
+    # same key: an in-place change would alter later results silently, so it raises.
+    from jaxdp._numerics import crvz_weights
+    from jaxdp.accounting import _per_instance, _rdp
+
+    plan = _rdp._plan((1.5, 2.0, 3.0, 17.0))
+    pi_plan = _per_instance._plan((1.5, 64.0), 5, (0, 1, 2, 3, 4), 150.0, "levels", 2)
+    arrays = [crvz_weights(20)[0], plan.frac.w_left, plan.frac.alpha, plan.int_groups[0].log_comb, pi_plan.grid,
+              pi_plan.blocks[0][1], pi_plan.flat]
+    for arr in arrays:
+        with pytest.raises(ValueError, match="read-only"):
+            arr[0] = 0

@@ -171,3 +171,119 @@ def test_from_arrays_rejects_bad_input(x, y, kwargs, match):
 def test_nan_in_test_features_named():
     with pytest.raises(ValueError, match="x_test contains NaN"):
         from_arrays(np.ones((2, 2)), np.array([0, 1]), x_test=np.array([[np.nan, 0.0]]), y_test=np.array([0]))
+
+
+# ---------------------------------------------------------------------------------------
+# Damaged or foreign files: one-line ValueError naming the path, the array and what was expected
+# (issue 26: numpy's pickle hint, EOFError, BadZipFile, reshape and BadGzipFile messages before)
+# ---------------------------------------------------------------------------------------
+
+
+def _npz_bytes(tmp_path, **arrays):
+    np.savez(tmp_path / "ok.npz", **arrays)
+    return (tmp_path / "ok.npz").read_bytes()
+
+
+def _corrupt(kind, tmp_path):
+    """Write the damaged file ``kind`` and return its path and the words the error must contain."""
+    path = tmp_path / f"{kind}.npz"
+    raw = _fake_mnist()
+    if kind == "random_bytes":
+        path.write_bytes(np.random.default_rng(0).bytes(1000))
+        return path, "not a .npz archive"
+    if kind == "empty":
+        path.write_bytes(b"")
+        return path, "empty file"
+    if kind == "truncated_zip":
+        data = _npz_bytes(tmp_path, **raw)
+        path.write_bytes(data[: len(data) // 2])
+        return path, "damaged .npz archive"
+    if kind == "zero_records":
+        np.savez(path, **_fake_mnist(n_train=0, n_test=0))
+        return path, "x_train must hold at least one record"
+    if kind == "strings":
+        np.savez(path, **dict(raw, y_train=np.array(["7"] * 5)))
+        return path, "y_train must hold integer class labels"
+    if kind == "object_arrays":
+        np.savez(path, **dict(raw, x_train=np.array([None] * 5, dtype=object)))
+        return path, "x_train is an object array"
+    if kind == "test_shape":
+        np.savez(path, **dict(raw, x_test=np.zeros((3, 14, 14), np.uint8)))
+        return path, "x_test must hold 28x28 images"
+    if kind == "corrupt_gz":
+        folder = tmp_path / "gz"
+        folder.mkdir()
+        for key, stem in NAMES.items():
+            _write_idx(folder / stem, raw[key], gz=True)
+        (folder / (NAMES["x_train"] + ".gz")).write_bytes(b"\x1f\x8b\x08\x00garbage")
+        return folder, "damaged gzip file"
+    raise AssertionError(kind)
+
+
+CORRUPT = ["random_bytes", "empty", "truncated_zip", "zero_records", "strings", "object_arrays", "test_shape",
+           "corrupt_gz"]
+
+
+@pytest.mark.parametrize("kind", CORRUPT)
+@pytest.mark.parametrize("loader", [load_mnist, load_fashion_mnist])
+def test_damaged_files_give_one_line_naming_path(tmp_path, kind, loader):
+    path, words = _corrupt(kind, tmp_path)
+    with pytest.raises(ValueError) as err:
+        loader(path)
+    msg = str(err.value)
+    assert msg.startswith("path '") and str(path) in msg and words in msg, msg
+    assert "\n" not in msg and "pickle" not in msg.replace("pickled Python objects, never loaded", ""), msg
+
+
+@pytest.mark.parametrize(
+    "change,words",
+    [
+        (dict(y_train=np.array([0, 1, 2, 3, 10], np.uint8)), "y_train must hold labels in [0, 10)"),
+        (dict(y_test=np.array([0, -1, 2], np.int8)), "y_test must hold labels >= 0"),
+        (dict(x_train=np.full((5, 28, 28), 256.0)), "x_train must hold pixel values in [0, 255]"),
+        (dict(x_test=np.full((3, 28, 28), np.nan)), "x_test contains NaN"),
+        (dict(y_train=np.array([0.5, 1, 2, 3, 4])), "y_train must hold integer class labels"),
+        (dict(y_train=np.array([0, 1, 2], np.uint8)), "y_train must have shape (5,)"),
+        (dict(x_train=np.ones((5, 28, 28), bool)), "x_train must hold real numbers"),
+    ],
+)
+def test_npz_contents_are_validated_naming_the_array(tmp_path, change, words):
+    np.savez(tmp_path / "m.npz", **dict(_fake_mnist(), **change))
+    with pytest.raises(ValueError, match=r"^path '.*m\.npz': ") as err:
+        load_mnist(tmp_path / "m.npz")
+    assert words in str(err.value), str(err.value)
+
+
+def test_read_idx_names_the_file(tmp_path):
+    p = tmp_path / "x.gz"
+    p.write_bytes(b"\x1f\x8bnot gzip")
+    with pytest.raises(ValueError, match="damaged gzip file") as err:
+        read_idx(p)
+    assert str(p) in str(err.value)
+    p = tmp_path / "header"
+    p.write_bytes(struct.pack(">BBBB", 0, 0, 8, 3) + b"\x00\x00")
+    with pytest.raises(ValueError, match="announces 3 dimensions"):
+        read_idx(p)
+
+
+@pytest.mark.parametrize(
+    "x,y,kwargs,words",
+    [
+        (np.zeros((0, 3)), np.zeros(0, int), {}, "x must hold at least one record; got shape (0, 3)"),
+        (np.zeros((2, 0)), np.zeros(2, int), {}, "x must hold at least one feature per record"),
+        (np.ones((2, 2)), np.array([0, 1]), dict(x_test=np.zeros((0, 2)), y_test=np.zeros(0, int)),
+         "x_test must hold at least one record"),
+        (np.ones((2, 2), complex), np.array([0, 1]), {}, "x must hold real numbers"),
+        (np.ones((2, 2), bool), np.array([0, 1]), {}, "x must hold real numbers"),
+        (np.ones((2, 2)), np.array([True, False]), {}, "y must hold integer class labels"),
+        (np.ones((2, 2)), np.array(["0", "1"]), {}, "y must hold integer class labels"),
+        (np.ones((2, 2)), np.array([0, 2**40]), {}, "y must hold labels < 2**31"),
+        (np.ones((2, 2)), np.array([0, 1]), {"num_classes": 0}, "num_classes must be an integer >= 1"),
+        (np.ones((2, 2)), np.array([0, 1]), dict(x_test=np.ones((1, 2)), y_test=np.array([5]), num_classes=3),
+         "y_test must hold labels in [0, num_classes) = [0, 3); got 5"),
+    ],
+)
+def test_from_arrays_names_the_argument(x, y, kwargs, words):
+    with pytest.raises(ValueError) as err:
+        from_arrays(x, y, test_fraction=0.0, **kwargs)
+    assert words in str(err.value) and "\n" not in str(err.value), str(err.value)

@@ -17,7 +17,7 @@ from flax import nnx
 
 from jaxdp.models import softmax_cross_entropy_loss
 from jaxdp.training import clipped_grad_sum, fast_path_supported, per_example_grad_norms
-from jaxdp.training._clipping import (
+from jaxdp.training._ghost_norms import (
     _conv_per_example_kernel_grads_grouped,
     _conv_per_example_kernel_grads_slices,
     _embed_sq_norm,

@@ -1,0 +1,444 @@
+r"""The ghost-norm fast path of ``clipped_grad_sum`` for dense, convolutional and embedding layers.
+
+Every supported layer computes its output from the example's own input rows and its
+parameters through one primitive call, and its per-example parameter gradient is a sum
+over the example's *positions* t (1 for a dense layer on a 2-D input; the tokens of a
+sequence; the output pixels of a convolution) of outer products a_t δ_tᵀ, where a_t is
+the input seen at position t (the row, the token, the receptive-field patch) and δ_t the
+gradient of ℓ_i with respect to the output at t:
+
+  ∂ℓ_i/∂W = Σ_t a_t δ_tᵀ,   ∂ℓ_i/∂b = Σ_t δ_t,   ∂ℓ_i/∂E[k] = Σ_{t: id_t = k} δ_t.
+
+The δ's of every layer come out of one backward pass of Σ_i ℓ_i with respect to zero
+"probes" added to the layers' outputs (ℓ_i depends on row i only, so row i of a probe's
+gradient holds example i's δ's). The squared norm of each layer's per-example gradient is
+then formed from (a, δ) without the other examples' gradients (see _ghost_norms._sq_norm_positions
+and _ghost_norms._embed_sq_norm), and the clipped sum Σ_i c_i g_i is formed per layer from the same (a, δ)
+with δ scaled by c_i (one contraction per layer; no second backward pass). Where a norm
+needs the per-example weight gradients anyway (convolutions with few channels: vmap of the
+layer's filter gradient, one grouped convolution, or, for very few input channels, one
+batched contraction of the input's offset slices), the clipped sum is their weighted sum
+over examples (b·d·e operations instead of another b·T·d·e).
+
+Layers are intercepted on a freshly merged copy of the model (the user's module is never
+modified): nnx.Linear through its ``dot_general`` attribute, nnx.Conv through its
+``conv_general_dilated`` attribute, nnx.Embed by giving the copy a subclass whose
+``__call__`` records the ids (``attend``, a tied use of the table, marks the model
+unsupported), jaxdp.models.LipschitzDense by a subclass whose ``x @ W`` is a recorded
+``dot_general``. Where a model cannot be handled, :func:`_diagnose` says which layer and
+why, and ``clipped_grad_sum`` warns once (per model type and reason) before it takes the
+general path: a flax version whose layers call something else turns the fast path off
+loudly, never silently.
+
+Safety by construction: the clipped sum is formed only from the intercepted calls' (a, δ),
+exactly the per-example gradients whose norms are measured, so a use of a parameter
+elsewhere in ``loss_fn`` (a weight penalty) loses its gradient instead of escaping the
+clipping: each clipped term has norm ≤ C. (The copy also holds every owned parameter as
+stop_gradient(p), each intercepted call adding p − stop_gradient(p), an exact zero, at its
+own use of p, so that any gradient taken through the copy has the same property.)
+
+The per-layer norms and sums from (a, δ) are in :mod:`jaxdp.training._ghost_norms`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+import warnings
+
+import flax
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ..models import LipschitzDense
+from ._canonical_conv import _conv_with_canonical_vjp
+from ._ghost_norms import _layer_grad_sum, _layer_sq_norm
+from ._per_example import _masked, _safe_clip_factor
+
+
+# Exactly these classes: a subclass may use its parameters differently (weight norm, LoRA).
+_OWNED = {nnx.Linear: ("kernel", "bias"), nnx.Conv: ("kernel", "bias"), nnx.Embed: ("embedding",),
+          LipschitzDense: ("kernel",)}
+
+# Prefix of the note a recorder adds to an exception raised inside its layer's call.
+_NOTE = "jaxdp fast path, in layer: "
+
+
+def _layer_name(m) -> str:
+    """``nnx.Linear`` for flax's layers, the class name for any other module."""
+    cls = type(m)
+    return f"nnx.{cls.__name__}" if cls.__module__.startswith("flax.") else cls.__name__
+
+
+def _describe(m, path) -> str:
+    where = "/".join(str(p) for p in path)
+    return f"{_layer_name(m)} at '{where}'" if where else f"{_layer_name(m)} (the model itself)"
+
+
+def _names_layer(call):
+    """Wrap a recorder's ``__call__`` so that an exception raised inside it names the layer."""
+
+    @functools.wraps(call)
+    def wrapped(self, *args, **kwargs):
+        try:
+            return call(self, *args, **kwargs)
+        except Exception as err:  # re-raised: only annotated
+            recorder = self if isinstance(self, _Recorder) else self._jaxdp_recorder
+            err.add_note(_NOTE + recorder.layer)
+            raise
+
+    return wrapped
+
+
+@jax.custom_jvp
+def _live(param_value, real):
+    """``param_value`` with the gradient of ``real`` added (``real`` broadcast to its shape).
+
+    The value is ``param_value`` itself, with no arithmetic: the same as adding the exact
+    zero ``real - stop_gradient(real)``, which XLA would compute (an elementwise pass over
+    the kernel, or over the layer's output for a bias, at every call) because ``x - x`` is
+    not zero for every float. The tangent is ``param_value``'s plus ``real``'s.
+    """
+    del real
+    return param_value
+
+
+@_live.defjvp
+def _live_jvp(primals, tangents):
+    param_value, _ = primals
+    value_dot, real_dot = tangents
+    return param_value, value_dot + jnp.broadcast_to(real_dot.astype(param_value.dtype), param_value.shape)
+
+
+class _Recorder:
+    """Stands in for one layer's primitive: records its inputs, adds a probe to its output."""
+
+    kind = "linear"
+
+    def __init__(self, original, registry: list, probes, params: dict, path: tuple = (), layer: str = ""):
+        self.original = original
+        self.registry = registry
+        self.probes = probes
+        self.params = params  # the layer's real (differentiable) parameter values
+        self.path = path  # the layer's path in the model (keys of its parameters' State)
+        self.layer = layer  # the layer's type and path, for the messages
+
+    def _finish(self, out, record):
+        if "bias" in self.params:
+            out = _live(out, self.params["bias"])  # gives the gradient to the bias flax adds next
+        position = len(self.registry)
+        record.update(recorder=self, shape=out.shape, dtype=out.dtype)
+        self.registry.append(record)
+        if self.probes is not None:
+            out = out + self.probes[position].astype(out.dtype)
+        return out
+
+
+class _LinearRecorder(_Recorder):
+    kind = "linear"
+
+    @_names_layer
+    def __call__(self, lhs, rhs, dimension_numbers, *args, **kwargs):
+        rhs = _live(rhs, self.params["kernel"])
+        out = self.original(lhs, rhs, dimension_numbers, *args, **kwargs)
+        return self._finish(out, {"inputs": lhs, "dims": dimension_numbers, "kernel_ndim": rhs.ndim})
+
+
+class _ConvRecorder(_Recorder):
+    kind = "conv"
+
+    @_names_layer
+    def __call__(self, lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
+                 dimension_numbers=None, feature_group_count=1, batch_group_count=1, **kwargs):
+        rhs = _live(rhs, self.params["kernel"])
+        # The layer's own convolution, in canonical form when it is lax's (see _canonical_conv).
+        fn = self.original
+        if fn is jax.lax.conv_general_dilated and kwargs.get("out_sharding") is None:
+            fn = _conv_with_canonical_vjp
+            kwargs.pop("out_sharding", None)
+        out = fn(lhs, rhs, window_strides, padding, lhs_dilation=lhs_dilation,
+                            rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
+                            feature_group_count=feature_group_count, batch_group_count=batch_group_count,
+                            **kwargs)
+        dn = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
+        conv = {"strides": tuple(window_strides), "padding": padding, "dn": dn,
+                "lhs_dilation": tuple(lhs_dilation or (1,) * (lhs.ndim - 2)),
+                "rhs_dilation": tuple(rhs_dilation or (1,) * (lhs.ndim - 2)),
+                "filter_shape": tuple(rhs.shape[d] for d in dn.rhs_spec[2:]),
+                "groups": (feature_group_count, batch_group_count)}
+        return self._finish(out, {"inputs": lhs, "conv": conv})
+
+
+class _RecordingEmbed(nnx.Embed):
+    """nnx.Embed whose calls are recorded (set on the instrumented copy only)."""
+
+    @_names_layer
+    def __call__(self, inputs, out_sharding=None):
+        rec = self._jaxdp_recorder
+        out = nnx.Embed.__call__(self, inputs, out_sharding)
+        ids = _normalised_ids(jnp.asarray(inputs), self.num_embeddings)
+        real = rec.params["embedding"]
+        out = out + jnp.take(real - jax.lax.stop_gradient(real), ids, axis=0, mode="fill",
+                             fill_value=0).astype(out.dtype)
+        return rec._finish(out, {"inputs": inputs, "ids": ids, "vocab": self.num_embeddings})
+
+    def attend(self, query, out_sharding=None):
+        rec = self._jaxdp_recorder  # a second use of the table: unsupported
+        rec.registry.append({"recorder": None, "why": f"{rec.layer} is used through Embed.attend (tied weights)"})
+        return nnx.Embed.attend(self, query, out_sharding)
+
+
+class _RecordingLipschitzDense(LipschitzDense):
+    """LipschitzDense whose ``x @ W`` is a recorded ``dot_general`` (set on the instrumented copy only)."""
+
+    def __call__(self, x):
+        x = jnp.asarray(x)
+        kernel = self.kernel[...]
+        dtype = jnp.result_type(x.dtype, kernel.dtype)  # as ``x @ W`` promotes
+        dims = (((x.ndim - 1,), (0,)), ((), ()))
+        return self._jaxdp_recorder(x.astype(dtype), kernel.astype(dtype), dims)
+
+
+def _normalised_ids(ids, vocab: int):
+    """Row of the table each id reads (jnp.take wraps negative ids; a one-row table broadcasts)."""
+    if vocab == 1:
+        return jnp.zeros(ids.shape, jnp.int32)
+    ids = ids.astype(jnp.int32)
+    return jnp.where(ids < 0, ids + vocab, ids)
+
+
+def _owners(model: nnx.Module) -> tuple[dict | None, str | None]:
+    """``(path -> supported layer, None)``, or ``(None, why)`` if some Param lives outside one or is tied."""
+    modules = dict(nnx.iter_modules(model))
+    layers = {p: m for p, m in modules.items() if type(m) in _OWNED}
+    for path, m in layers.items():
+        # A masked kernel's gradient is masked; grouped convolutions are not factored here.
+        if type(m) is nnx.Conv and m.mask is not None:
+            return None, f"{_describe(m, path)} with a kernel mask"
+        if type(m) is nnx.Conv and m.feature_group_count != 1:
+            return None, f"{_describe(m, path)} with feature_group_count={m.feature_group_count}"
+    for path, value in nnx.iter_graph(model):
+        if isinstance(value, nnx.Param):
+            owner, attr = tuple(path[:-1]), path[-1]
+            if owner not in layers:
+                holder = modules.get(owner, model)
+                return None, f"{_describe(holder, owner)}, which holds the parameter '{attr}'"
+            if attr not in _OWNED[type(layers[owner])]:
+                return None, f"{_describe(layers[owner], owner)} with an extra parameter '{attr}'"
+    # iter_graph lists a shared Variable once: a parameter tied between layers has a
+    # per-example gradient (a sum over both layers) whose norm is not factored here.
+    seen: dict = {}
+    for path, m in layers.items():
+        for attr in _OWNED[type(m)]:
+            var = getattr(m, attr, None)
+            if isinstance(var, nnx.Param):
+                if id(var) in seen:
+                    return None, f"{seen[id(var)]} and {_describe(m, path)}, which share a parameter (tied weights)"
+                seen[id(var)] = _describe(m, path)
+    if not layers:
+        return None, f"{_describe(model, ())}, which has no parameters"
+    return layers, None
+
+
+def _instrumented(graphdef, rest, registry):
+    """Return ``build(params, probes)``: a fresh model copy with every supported layer instrumented."""
+
+    def build(p, probes):
+        model = nnx.merge(graphdef, p, rest)
+        for path, m in nnx.iter_modules(model):
+            kind = type(m)
+            if kind not in _OWNED:
+                continue
+            real = {}
+            for attr in _OWNED[kind]:
+                var = getattr(m, attr, None)
+                if isinstance(var, nnx.Param):
+                    real[attr] = var.get_value()
+                    var.set_value(jax.lax.stop_gradient(real[attr]))
+            path = tuple(path)
+            layer = _describe(m, path)
+            if kind is nnx.Linear:
+                m.dot_general = _LinearRecorder(m.dot_general, registry, probes, real, path, layer)
+            elif kind is nnx.Conv:
+                m.conv_general_dilated = _ConvRecorder(m.conv_general_dilated, registry, probes, real, path, layer)
+            elif kind is nnx.Embed:
+                m.__class__ = _RecordingEmbed
+                m._jaxdp_recorder = _Recorder(None, registry, probes, real, path, layer)
+            else:
+                m.__class__ = _RecordingLipschitzDense
+                m._jaxdp_recorder = _LinearRecorder(jax.lax.dot_general, registry, probes, real, path, layer)
+        return model
+
+    return build
+
+
+def _record_unsupported(rec, b: int) -> str | None:
+    """Shape checks of one recorded call (trace time): why the fast path cannot take it, or None."""
+    recorder = rec["recorder"]
+    if recorder is None:
+        return rec["why"]
+    inputs = rec["inputs"]
+    if len(rec["shape"]) < 1 or rec["shape"][0] != b or inputs.ndim < 1 or inputs.shape[0] != b:
+        return f"{recorder.layer} applied to an input without the batch on its leading axis"
+    if "ids" in rec:
+        return None
+    if "conv" in rec:
+        c = rec["conv"]
+        if not (c["groups"] == (1, 1) and c["dn"].lhs_spec[0] == 0 and c["dn"].out_spec[0] == 0):
+            return f"{recorder.layer} with grouped convolutions or the batch off the leading axis"
+        if not all(v == 1 for v in c["lhs_dilation"]):
+            return f"{recorder.layer} with input dilation"
+        return None
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = rec["dims"]
+    if not (inputs.ndim >= 2 and tuple(lhs_contract) == (inputs.ndim - 1,) and tuple(rhs_contract) == (0,)
+            and not tuple(lhs_batch) and not tuple(rhs_batch) and rec["kernel_ndim"] == 2
+            and len(rec["shape"]) == inputs.ndim):
+        return f"{recorder.layer} contracting other axes than the input's last with the kernel's first"
+    return None
+
+
+# Errors that tracing the instrumented copy may raise where the recorders do not fit the
+# model (a flax version whose layers call another function or signature; forward-mode
+# autodiff inside loss_fn through the recorded convolution's custom_vjp). They mean
+# "unsupported" only if the uninstrumented model traces; otherwise they are the caller's.
+_TRACE_ERRORS = (TypeError, ValueError, AttributeError, NotImplementedError)
+
+
+def _pulled_back(f):
+    """``f(p, x, y)`` whose backward pass with respect to ``p`` is traced too (as the fast path runs it)."""
+
+    def g(p, x, y):
+        out, pull = jax.vjp(lambda p: f(p, x, y), p)
+        pull(jnp.ones_like(out))
+        return out
+
+    return g
+
+
+def _diagnose(loss_fn, model, x, y) -> tuple[list | None, str | None]:
+    """Trace once, forward and backward (shapes only): ``(probe shapes, None)`` if the fast path applies, else ``(None, why)``.
+
+    ``why`` names the layer the fast path cannot handle, with its type. It is None where
+    the general path raises anyway (``loss_fn`` not returning a ``(b,)`` vector). An error
+    of ``loss_fn`` or the model itself (one that tracing without the instrumentation raises
+    too) is raised, not taken for "unsupported".
+    """
+    owners, why = _owners(model)
+    if owners is None:
+        return None, why
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    registry: list = []
+    build = _instrumented(graphdef, rest, registry)
+
+    def run(p, x, y):
+        registry.clear()
+        return loss_fn(build(p, None), x, y)
+
+    failure = None
+    try:
+        out = jax.eval_shape(_pulled_back(run), params, x, y)
+    except _TRACE_ERRORS as err:
+        failure = err
+    if failure is not None:
+        # Outside the except block, so that the caller's own error is raised unchained.
+        jax.eval_shape(_pulled_back(lambda p, x, y: loss_fn(nnx.merge(graphdef, p, rest), x, y)), params, x, y)
+        notes = [n[len(_NOTE):] for n in getattr(failure, "__notes__", ()) if n.startswith(_NOTE)]
+        where = notes[-1] if notes else f"a layer of {_describe(model, ())}"
+        message = str(failure).strip().split("\n")[0][:200]
+        return None, f"{where}, whose instrumented call raised {type(failure).__name__}: {message}"
+    b = x.shape[0]
+    if out.shape != (b,):
+        return None, None
+    for rec in registry:
+        why = _record_unsupported(rec, b)
+        if why is not None:
+            return None, why
+    # Each layer must be applied exactly once: a shared layer's per-example gradient is a
+    # sum over its calls, whose norm is not formed here.
+    calls: dict = {}
+    for rec in registry:
+        calls.setdefault(rec["recorder"].path, []).append(rec["recorder"])
+    for path, m in owners.items():
+        n = len(calls.get(path, ()))
+        if n != 1:
+            how = "not applied by loss_fn through its usual call" if n == 0 else f"applied {n} times (shared)"
+            return None, f"{_describe(m, path)}, {how}"
+    if len(registry) != len(owners):  # a recorder outside the owned layers: cannot happen
+        return None, f"{_describe(model, ())}, whose layers were called {len(registry)} times for {len(owners)} layers"
+    return [(tuple(r["shape"]), r["dtype"]) for r in registry], None
+
+
+def _discover(loss_fn, model, x, y) -> list | None:
+    """The probe shapes if the fast path applies, else None (see :func:`_diagnose`)."""
+    return _diagnose(loss_fn, model, x, y)[0]
+
+
+_WARNED: set = set()  # (model type, reason) pairs already warned about
+
+
+def _warn_fallback(model, why: str) -> None:
+    """Warn once per model type and reason that the fast path is off for this model."""
+    key = (type(model), why)
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    warnings.warn(
+        f"clipped_grad_sum on {type(model).__name__}: the fast path cannot handle {why}; using the general "
+        "vmap(grad) path (the same clipped sum, slower, more memory). Pass use_fast_path=False to choose it "
+        "without this warning.", UserWarning, stacklevel=_caller_stacklevel())
+
+
+# Frames of these packages (and of the standard wrappers they call through) lie between the
+# caller and the warning: it is issued at trace time, deep inside jax.
+_LIBRARY_FILES = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, flax, sys.modules["jaxdp"]))
+_WRAPPER_FILES = (contextlib.__file__, functools.__file__)
+
+
+def _caller_stacklevel() -> int:
+    """``stacklevel`` for a warning from :func:`_warn_fallback` that points at the caller's own code."""
+    frame, level = sys._getframe(1), 1  # level 1: _warn_fallback itself
+    while frame is not None and (frame.f_code.co_filename.startswith(_LIBRARY_FILES)
+                                 or frame.f_code.co_filename in _WRAPPER_FILES):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 1
+
+
+def _fast(loss_fn, model, x, y, clip_norm, calls, mask=None) -> tuple:
+    """``(Σ_i c_i g_i, norms)`` on the fast path, for the probe shapes ``calls`` of :func:`_discover`."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    probes = [jnp.zeros(shape, dtype) for shape, dtype in calls]
+    registry: list = []
+    build = _instrumented(graphdef, rest, registry)
+
+    def f(p, probes_):
+        registry.clear()
+        losses = loss_fn(build(p, probes_), x, y)
+        return losses, [{"inputs": rec["inputs"], "ids": rec.get("ids")} for rec in registry]
+
+    # The parameters' cotangents are never used: under jit they are not computed.
+    losses, vjp_fn, arrays = jax.vjp(f, params, probes, has_aux=True)
+    # The aux output carries the recorded arrays; the static facts come from the registry.
+    records = [{**reg, **{k: v for k, v in arr.items() if v is not None}}
+               for arr, reg in zip(arrays, registry, strict=True)]
+    _, deltas = vjp_fn(jnp.ones_like(losses))  # row i of deltas[k] holds example i's δ's at layer k
+    sq, per_example = None, []
+    for rec, delta in zip(records, deltas, strict=True):
+        term, pe = _layer_sq_norm(rec, delta)
+        per_example.append(pe)
+        sq = term if sq is None else sq + term.astype(sq.dtype)
+    norms, factor = _safe_clip_factor(sq, clip_norm)
+    # The weights are constants (S = Σ c_i g_i is not differentiated through c).
+    factor = jax.lax.stop_gradient(_masked(factor, mask))
+    sums = {}
+    for rec, delta, pe in zip(records, deltas, per_example, strict=True):
+        for attr, value in _layer_grad_sum(rec, delta, factor, pe).items():
+            sums[rec["recorder"].path + (attr,)] = value
+
+    def fill(key_path, leaf):
+        key = tuple(k.key for k in key_path if isinstance(k, jax.tree_util.DictKey))
+        return sums[key].astype(leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(fill, params), norms
