@@ -1,14 +1,15 @@
 """jaxdp: JAX-native differential-privacy accounting and private training.
 
 Subpackages:
-  accounting  pure, jittable accountants (imported eagerly; depends on jax only)
+  accounting  pure, jittable accountants (depends on jax, numpy and scipy only)
   training    optax transformations for projected noisy SGD, clipping (flax/optax)
   models      Flax NNX models (convex models with their Lipschitz and smoothness constants)
   data        bundled and local data sets (no downloads)
   audit       empirical lower bounds on epsilon (distinguishing experiments, one-run auditing)
 
-``training``, ``models`` and ``data`` import flax/optax/scikit-learn, so they (and ``audit``) load on
-first use (``jaxdp.training`` works as an attribute); the command line stays fast.
+Every subpackage loads on first use (PEP 562): ``import jaxdp`` imports neither JAX nor
+flax, and ``jaxdp.accounting`` (or ``import jaxdp.accounting``) imports JAX but not flax,
+optax, orbax or matplotlib, so the command line parses its arguments before loading JAX.
 
 Guides and derivations cited as ``docs/NAME.md`` in docstrings and in the command's output are
 installed with the package, as ``jaxdp/docs/NAME.md`` (start at ``jaxdp/docs/index.md``).
@@ -16,12 +17,10 @@ installed with the package, as ``jaxdp/docs/NAME.md`` (start at ``jaxdp/docs/ind
 
 import importlib as _importlib
 
-from . import accounting as accounting
-
 __version__ = "0.1.0"
 __all__ = ["accounting", "audit", "data", "models", "training", "__version__"]
 
-_LAZY = ("training", "models", "data", "audit")
+_LAZY = ("accounting", "training", "models", "data", "audit")
 
 
 def __getattr__(name):

@@ -74,10 +74,31 @@ def _guarded(fn: Callable) -> Callable:
         # Linearised inside the scope. Reverse mode transposes the resulting linear program
         # outside it, which the library keeps safe (see :func:`take`). custom_vmap cannot be
         # transposed, so the tangent is not routed through ``batchable``.
+        if _differentiated(primals):
+            raise SecondDerivativeX64Error(SECOND_DERIVATIVE_X64_MESSAGE)
         with jax.enable_x64(True):
             return jax.jvp(fn, primals, tangents)
 
     return differentiable
+
+
+SECOND_DERIVATIVE_X64_MESSAGE = (
+    "second derivatives (jax.hessian, grad of grad, jacfwd of jacrev) of jaxdp's accountants need 64-bit "
+    "types: with jax_enable_x64 off, the first derivative's transposed program runs outside the float64 "
+    "scope and cannot be differentiated again in float64. Enable it with "
+    "jax.config.update('jax_enable_x64', True) or call inside `with jax.enable_x64(True):`.")
+
+
+class SecondDerivativeX64Error(TypeError):
+    """A second derivative of an accountant was asked for with 64-bit types off."""
+
+
+def _differentiated(primals) -> bool:
+    """True when the primals of a JVP rule are themselves being differentiated (2nd order)."""
+    from jax._src.interpreters import ad
+
+    kinds = tuple(k for k in (getattr(ad, "JVPTracer", None), getattr(ad, "LinearizeTracer", None)) if k)
+    return any(isinstance(p, kinds) for p in jax.tree_util.tree_leaves(primals))
 
 
 def float64(fn: F) -> F:
@@ -144,15 +165,47 @@ def log_ndtr(x: jax.Array) -> jax.Array:
     is used; its relative error at :math:`|x| ≥ 37` is below :math:`945/37^{10} < 10^{-12}`.
     It is about five times faster than ``jax.scipy.special.log_ndtr`` on CPU, which
     matters because the fractional-order accountant evaluates it for every series term.
+
+    Its derivative is the inverse Mills ratio :math:`φ(x)/Φ(x) = \exp(-x^2/2 - \log\sqrt{2π}
+    - \log Φ(x))` (a custom JVP, for :math:`x > -37`; below, the series' own derivative),
+    so that every order of derivative is finite: differentiating ``log(erfc)`` twice
+    divides by :math:`\mathrm{erfc}^2`, which underflows to 0 for :math:`x < -26` (0/0).
     """
-    cut = -37.0
-    x_hi = jnp.where(x > cut, x, 0.0)  # double-where: keep the unused branch finite
-    x_lo = jnp.where(x > cut, cut - 1.0, x)
+    return _log_ndtr(x)
+
+
+_NDTR_CUT = -37.0
+
+
+def _log_ndtr_branches(x):
+    x_hi = jnp.where(x > _NDTR_CUT, x, 0.0)  # double-where: keep the unused branch finite
+    x_lo = jnp.where(x > _NDTR_CUT, _NDTR_CUT - 1.0, x)
     hi = jnp.log(0.5 * jax.scipy.special.erfc(-x_hi / math.sqrt(2.0)))
+    return x_hi, x_lo, hi
+
+
+def _log_ndtr_series(x_lo):
     z = 1.0 / (x_lo * x_lo)
     series = 1.0 - z * (1.0 - z * (3.0 - z * (15.0 - 105.0 * z)))
-    lo = -0.5 * x_lo * x_lo - jnp.log(-x_lo) - _LOG_2PI_HALF + jnp.log(series)
-    return jnp.where(x > cut, hi, lo)
+    return -0.5 * x_lo * x_lo - jnp.log(-x_lo) - _LOG_2PI_HALF + jnp.log(series)
+
+
+@jax.custom_jvp
+def _log_ndtr(x):
+    _, x_lo, hi = _log_ndtr_branches(x)
+    return jnp.where(x > _NDTR_CUT, hi, _log_ndtr_series(x_lo))
+
+
+@_log_ndtr.defjvp
+def _log_ndtr_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    x_hi, x_lo, _ = _log_ndtr_branches(x)
+    value = _log_ndtr(x)
+    # φ/Φ from logs: finite for every x > -37, and differentiable again through _log_ndtr.
+    mills_hi = jnp.exp(-0.5 * x_hi * x_hi - _LOG_2PI_HALF - _log_ndtr(x_hi))
+    lo, dlo = jax.jvp(_log_ndtr_series, (x_lo,), (jnp.ones_like(x_lo),))
+    slope = jnp.where(x > _NDTR_CUT, mills_hi, dlo)
+    return value, slope * t
 
 
 def take(x: jax.Array, indices, axis: int = -1) -> jax.Array:

@@ -10,11 +10,16 @@ can never produce a finite, optimistic result.
 from __future__ import annotations
 
 import math
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
+
+if TYPE_CHECKING:
+    import jax
+
+# JAX is imported lazily: the command validates its arguments with these checks before it
+# imports JAX (a value cannot be a tracer while JAX is not even loaded).
 
 __all__ = [
     "is_concrete",
@@ -39,7 +44,8 @@ __all__ = [
 
 def is_concrete(x: Any) -> bool:
     """True when ``x`` holds known values (not a tracer inside jit/vmap/grad)."""
-    if isinstance(x, jax.core.Tracer):
+    jax = sys.modules.get("jax")
+    if jax is not None and isinstance(x, jax.core.Tracer):
         return False
     if isinstance(x, (list, tuple)):
         return all(is_concrete(v) for v in x)
@@ -197,6 +203,8 @@ def check_orders(name: str, orders: Any, *, max_order: float = math.inf) -> None
 
 def valid_mask(*conditions: jax.Array) -> jax.Array:
     """Logical AND of traced validity conditions (used to mask outputs to NaN under jit)."""
+    import jax.numpy as jnp
+
     out = jnp.asarray(True)
     for c in conditions:
         out = out & c
@@ -285,6 +293,8 @@ def check_learning_rate(learning_rate: Any, smoothness: Any, strong_convexity: A
 
 def learning_rate_valid(learning_rate: jax.Array, smoothness: jax.Array, strong_convexity: jax.Array) -> jax.Array:
     """Traced form of :func:`check_learning_rate` (True where the rule holds)."""
+    import jax.numpy as jnp
+
     eta, beta, rho = learning_rate, smoothness, strong_convexity
     return (
         (beta > 0) & jnp.isfinite(beta) & (rho >= 0) & (rho <= beta) & (eta > 0) & (eta * (beta + rho) <= 2.0)
@@ -293,11 +303,15 @@ def learning_rate_valid(learning_rate: jax.Array, smoothness: jax.Array, strong_
 
 def is_int(x: jax.Array, lo: float = 1.0) -> jax.Array:
     """Traced: ``x`` is a finite integer ≥ ``lo``."""
+    import jax.numpy as jnp
+
     return (x >= lo) & (x == jnp.floor(x)) & jnp.isfinite(x)
 
 
 def nan_unless(valid: jax.Array, value: jax.Array) -> jax.Array:
     """``value`` where ``valid``, NaN elsewhere (invalid inputs under jit never give a number)."""
+    import jax.numpy as jnp
+
     return jnp.where(valid, value, jnp.nan)
 
 

@@ -3,8 +3,9 @@ import os
 import pytest
 from hypothesis import settings
 
-# The command keeps compiled programs in a persistent cache; tests call it in-process,
-# and must neither depend on nor write to the user's cache.
+# The library (jaxdp._program_cache) and the command keep compiled programs in a persistent
+# cache; tests must neither depend on nor write to the user's cache, and no cache is shared
+# between test processes (tests of the cache use a temporary folder each).
 os.environ.setdefault("JAXDP_CACHE_DIR", "off")
 
 # No persistent XLA compilation cache is shared between the test processes. Sessions 6-7

@@ -30,6 +30,7 @@ import numpy as np
 
 from .. import _validate
 from .._numerics import f64, float64
+from .._program_cache import persistent
 from . import _pld
 from ._contraction import (
     pnsgd_contraction_delta,
@@ -468,6 +469,7 @@ def delta(event: Event, epsilon, *, orders=DEFAULT_ORDERS, accountant: str = "rd
     return acc.delta(event, f64(epsilon), orders_np, **options)
 
 
+@persistent("event_rdp", static_argnums=(2, 3))
 @functools.partial(jax.jit, static_argnums=(2, 3))
 def _rdp_jit(event: Event, value, orders_key: tuple, which: str):
     # The built-in RDP accountant as one compiled program per event structure and orders

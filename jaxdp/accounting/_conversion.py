@@ -2,6 +2,7 @@ r"""Conversions from Rényi DP to (ε, δ)-DP, reduced over the orders axis."""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 
 from .. import _validate
 from .._numerics import f64, float64
+from .._program_cache import persistent
 
 __all__ = ["EpsilonResult", "DeltaResult", "rdp_to_epsilon", "rdp_to_delta"]
 
@@ -82,9 +84,14 @@ def rdp_to_epsilon(rdp, orders, delta, *, method: str = "improved") -> EpsilonRe
       0.794522
     """
     _check(rdp, orders, "delta", delta, 0.0, 1.0, True, True, method)
-    rdp = f64(rdp)
-    orders = f64(orders)
-    delta = f64(delta)[..., None]
+    return _rdp_to_epsilon_jit(method, f64(rdp), f64(orders), f64(delta))
+
+
+@persistent("rdp_to_epsilon", static_argnums=(0,))
+@functools.partial(jax.jit, static_argnums=0)
+def _rdp_to_epsilon_jit(method, rdp, orders, delta):
+    # One compiled program for an eager call (validated above); inlined when traced.
+    delta = delta[..., None]
     ok_delta = (delta >= _validate.DELTA_MIN) & (delta < 1)
     bad = ~ok_delta | jnp.any(~(rdp >= 0), axis=-1, keepdims=True)
     r = jnp.where(rdp >= 0, rdp, 0.0)

@@ -12,6 +12,7 @@ import numpy as np
 
 from .. import _validate
 from .._numerics import f64, float64
+from .._program_cache import persistent
 from . import _pld
 from ._conversion import _IMPROVED_MIN_ORDER, rdp_to_epsilon
 from ._rdp import DEFAULT_ORDERS, heterogeneous_rdp
@@ -77,6 +78,7 @@ def dpsgd_epsilon(q, noise_multiplier, num_steps, delta, orders=DEFAULT_ORDERS, 
     return _dpsgd_epsilon_jit(orders_key, method, f64(q), f64(noise_multiplier), f64(num_steps), f64(delta))
 
 
+@persistent("dpsgd_epsilon", static_argnums=(0, 1))
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _dpsgd_epsilon_jit(orders_key, method, q, sigma, steps, delta):
     # One compiled program for an eager call (validation above ran on the concrete values):
@@ -114,6 +116,7 @@ def schedule_epsilon(q, noise_multiplier, num_steps, delta, orders=DEFAULT_ORDER
     return _schedule_epsilon_jit(orders_key, method, f64(q), f64(noise_multiplier), f64(num_steps), f64(delta))
 
 
+@persistent("schedule_epsilon", static_argnums=(0, 1))
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _schedule_epsilon_jit(orders_key, method, q, sigma, steps, delta):
     rdp = heterogeneous_rdp(orders_key, q, sigma, steps)
@@ -242,6 +245,7 @@ def calibrate_noise_multiplier(
 
 # Jitted once per static configuration: called eagerly, a while_loop over a fresh closure
 # would be traced and compiled again at every call.
+@persistent("calibrate_noise_multiplier", static_argnames=("orders", "method", "lo_s", "hi_s", "iterations"))
 @functools.partial(jax.jit, static_argnames=("orders", "method", "lo_s", "hi_s", "iterations"))
 def _calibrate_core(target, q, steps, delta, orders, method, lo_s, hi_s, iterations):
     valid = (target > 0) & (q >= 0) & (q <= 1) & (steps >= 0) & (delta > 0) & (delta < 1)
@@ -508,6 +512,7 @@ def calibrate_pld_noise_multiplier(target_epsilon, q, num_steps, delta, *, grid_
                            int(solver_iterations))
 
 
+@persistent("calibrate_pld_noise_multiplier", static_argnums=(4, 5, 6))
 @functools.partial(jax.jit, static_argnums=(4, 5, 6))
 def _calibrate_pld_core(target, q, steps, delta, grid_size, tail_bound, iterations):
     rdp = calibrate_noise_multiplier(target, q, steps, delta)

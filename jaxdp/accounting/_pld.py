@@ -84,6 +84,7 @@ import numpy as np
 
 from .. import _validate
 from .._numerics import f64, float64, log_ndtr
+from .._program_cache import persistent
 from ._events import Composed, Gaussian, Laplace, PoissonSampled, SelfComposed, check_event
 from ._rdp import gaussian_rdp, laplace_rdp
 
@@ -588,6 +589,7 @@ def _one_value(kinds, sizes, n, tau, estimate, what, *xs):
 
 
 # Compiled once per event structure and static options; called eagerly it costs one dispatch.
+@persistent("pld", static_argnums=(0, 1, 2, 3, 4, 5))
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
 def _evaluate_jit(kinds, sizes, n, tau, estimate, what, *vals):
     shape = jnp.broadcast_shapes(*(jnp.shape(v) for v in vals))

@@ -20,6 +20,7 @@ import numpy as np
 
 from .. import _validate
 from .._numerics import f64, float64
+from .._program_cache import persistent
 from .._validate import check_integer, check_learning_rate, check_positions, is_int, learning_rate_valid, nan_unless
 from ._contraction import (
     _SAFETY_REL,
@@ -136,6 +137,7 @@ def _tangent(x, d):
     return jnp.where(jnp.isfinite(x), d * (x - jax.lax.stop_gradient(x)), 0.0)
 
 
+@persistent("pnsgd_grid_table")
 @jax.jit
 def _grid_table(r_first2, rc, log_t):
     """The grid over [0, ε_hi] and log θ with its ε-slope there, at both first ratios and rc.
@@ -310,6 +312,7 @@ def _privacy_core(pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt, sc_form, siz
     return _combine(st["valid"], st["sel"], eps_c, eps_i, eps_s, eps_g2, eps_sh, size=size, shape=shape)
 
 
+@persistent("pnsgd_setup")
 @jax.jit
 def _privacy_setup(pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt):
     step_ok, m_c = _contraction_factor(eta, beta, rho)
@@ -354,9 +357,10 @@ def _privacy_setup(pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt):
                 r_comp2=r_comp2)
 
 
-_contraction_part = jax.jit(_contraction_eps_grid)
+_contraction_part = persistent("pnsgd_contraction")(jax.jit(_contraction_eps_grid))
 
 
+@persistent("pnsgd_rdp", static_argnames=("sc_form",))
 @functools.partial(jax.jit, static_argnames=("sc_form",))
 def _rdp_part(pos_s, n_s, lip_s, sig_s, b_s, k_s, m_c, dlt, scal_ok, sc_form):
     # Iteration (Feldman): valid for ρ ≥ 0 because η ≤ 2/(β+ρ) ≤ 2/β.
@@ -368,6 +372,7 @@ def _rdp_part(pos_s, n_s, lip_s, sig_s, b_s, k_s, m_c, dlt, scal_ok, sc_form):
     return eps_i, jnp.where(k_s > 1, jnp.inf, eps_s)
 
 
+@persistent("pnsgd_composition")
 @jax.jit
 def _composition_part(r_comp2, log_t):
     """The exact ε of the two possible composed Gaussian mechanisms (full and last batch)."""
@@ -382,10 +387,11 @@ def _composition_part(r_comp2, log_t):
 
 # Shifted interpolation: μ-GDP per record, exact conversion δ(ε) = θ_{e^ε}(μ). Two
 # programs: XLA compiles them in ~3 s apart, ~4.2 s as one.
-_shifted_mu_part = jax.jit(lambda *a: _shifted_mu(*a))
-_gdp_part = jax.jit(lambda mu, log_t: _gdp_eps(mu, log_t))
+_shifted_mu_part = persistent("pnsgd_shifted")(jax.jit(lambda *a: _shifted_mu(*a)))
+_gdp_part = persistent("pnsgd_gdp")(jax.jit(lambda mu, log_t: _gdp_eps(mu, log_t)))
 
 
+@persistent("pnsgd_combine", static_argnames=("size", "shape"))
 @functools.partial(jax.jit, static_argnames=("size", "shape"))
 def _combine(valid, sel, eps_c, eps_i, eps_s, eps_g2, eps_sh, size, shape):
     eps_g = jnp.where(sel == 1, eps_g2[1], eps_g2[0])
@@ -792,6 +798,7 @@ def calibrate_pnsgd_noise_std(
     return _calibrate_core(*args, analysis=analysis, sc_form=strongly_convex_form)
 
 
+@persistent("calibrate_pnsgd_noise_std", static_argnames=("analysis", "sc_form"))
 @functools.partial(jax.jit, static_argnames=("analysis", "sc_form"))
 def _calibrate_core(eps_t, dlt, pos, n, lip, beta, rho, eta, dia, b, k, analysis, sc_form):
     step_ok, _ = _contraction_factor(eta, beta, rho)

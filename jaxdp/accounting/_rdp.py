@@ -17,6 +17,7 @@ from scipy import special as _sp
 
 from .. import _validate
 from .._numerics import crvz_weights, f64, float64, log_expm1, log_ndtr, read_only, signed_logsumexp, take
+from .._program_cache import persistent
 
 __all__ = ["DEFAULT_ORDERS", "gaussian_rdp", "sampled_gaussian_rdp", "heterogeneous_rdp"]
 
@@ -374,6 +375,7 @@ def sampled_gaussian_rdp(orders, q, noise_multiplier) -> jax.Array:
     return _sgm_rdp_jit(tuple(orders_np.tolist()), f64(q), f64(noise_multiplier))
 
 
+@persistent("sampled_gaussian_rdp", static_argnums=(0,))
 @functools.partial(jax.jit, static_argnums=0)
 def _sgm_rdp_jit(orders_key: tuple[float, ...], q: jax.Array, sigma: jax.Array) -> jax.Array:
     # Compiled once per (orders grid, shapes): eager calls then cost one dispatch.
@@ -453,8 +455,22 @@ def heterogeneous_rdp(orders, q, noise_multiplier, num_steps) -> jax.Array:
     _validate.check_nonempty("num_steps", num_steps)
     _validate.check_broadcastable(q=q, noise_multiplier=noise_multiplier, num_steps=num_steps)
     _validate.check_in_range("num_steps", num_steps, 0.0, math.inf)
-    steps_arr = jnp.ceil(f64(num_steps))
-    per_step = sampled_gaussian_rdp(orders, q, noise_multiplier)  # (..., S, k)
+    # sampled_gaussian_rdp's checks, on the concrete values, before the one compiled program.
+    orders_np = _validate.concrete_orders(orders)
+    _validate.check_nonempty("q", q)
+    _validate.check_nonempty("noise_multiplier", noise_multiplier)
+    _validate.check_in_range("q", q, 0.0, 1.0)
+    _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True)
+    return _heterogeneous_rdp_jit(tuple(orders_np.tolist()), f64(q), f64(noise_multiplier), f64(num_steps))
+
+
+@persistent("heterogeneous_rdp", static_argnums=(0,))
+@functools.partial(jax.jit, static_argnums=0)
+def _heterogeneous_rdp_jit(orders_key, q, noise_multiplier, num_steps):
+    # One compiled program for an eager call (about fifty small ones op by op); inlined
+    # inside a caller's jit, vmap or grad.
+    steps_arr = jnp.ceil(num_steps)
+    per_step = sampled_gaussian_rdp(orders_key, q, noise_multiplier)  # (..., S, k)
     steps_b = jnp.broadcast_to(steps_arr, per_step.shape[:-1])
     total = jnp.sum(jnp.where(steps_b[..., None] > 0, steps_b[..., None] * per_step, 0.0), axis=-2)
     return jnp.where(jnp.all(steps_b >= 0, axis=-1)[..., None], total, jnp.nan)

@@ -1,0 +1,68 @@
+"""Second derivatives of the accountants: equal to central differences of the first (x64 on),
+one clear error with x64 off (never NaN, never a raw dtype TypeError).
+
+The reference is a float64 central difference of the gradient, (g(σ+h) - g(σ-h)) / 2h,
+computed independently of the second-order program.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import jaxdp.accounting as A
+from jaxdp._numerics import SecondDerivativeX64Error, log_ndtr
+
+Q, STEPS, DELTA, SIGMA = 256 / 60000, 14040, 1e-5, 1.1
+
+CASES = {
+    "dpsgd_epsilon": (lambda s: A.dpsgd_epsilon(Q, s, STEPS, DELTA), 1e-6),
+    "epsilon(event)": (lambda s: A.epsilon(A.dpsgd_event(Q, s, STEPS), DELTA), 1e-6),
+    # The PLD ε is an upper bound on a discretised grid: its gradient is smooth only to
+    # the grid's resolution, so the difference quotient agrees to about 1e-4.
+    "pld_epsilon": (lambda s: A.pld_epsilon(A.dpsgd_event(Q, s, STEPS), DELTA), 1e-3),
+}
+
+
+def _central_difference(f, x, h=1e-4):
+    g = jax.grad(f)
+    return (float(g(x + h)) - float(g(x - h))) / (2 * h)
+
+
+@pytest.mark.parametrize("name", ["dpsgd_epsilon", "epsilon(event)",
+                                  # Minutes of compilation (four PLD derivative programs); checked
+                                  # by hand in session 9: 8.36188 against 8.36071 (1.4e-4).
+                                  pytest.param("pld_epsilon", marks=pytest.mark.slow)])
+def test_second_derivative_matches_central_differences_x64_on(name):
+    f, rtol = CASES[name]
+    with jax.enable_x64(True):
+        want = _central_difference(f, SIGMA)
+        for second in (jax.grad(jax.grad(f)), jax.hessian(f)):
+            got = float(second(SIGMA))
+            assert np.isfinite(got)
+            assert got == pytest.approx(want, rel=rtol)
+
+
+@pytest.mark.parametrize("name", ["dpsgd_epsilon", "epsilon(event)"])
+def test_second_derivative_with_x64_off_is_one_clear_error(name):
+    f, _ = CASES[name]
+    with jax.enable_x64(False):
+        for second in (jax.grad(jax.grad(f)), jax.hessian(f)):
+            with pytest.raises(SecondDerivativeX64Error, match="jax_enable_x64"):
+                second(np.float32(SIGMA))
+
+
+def test_log_ndtr_derivatives_against_mpmath():
+    """(log Φ)' = φ/Φ = r and (log Φ)'' = -r (x + r), at 50 digits; differentiating
+    log(erfc) twice gave 0/0 = NaN below x = -26."""
+    mpmath = pytest.importorskip("mpmath")
+    mpmath.mp.dps = 50
+    with jax.enable_x64(True):
+        for x in (-5.0, -26.5, -30.0, -36.9, -37.1, -100.0, 0.3, 5.0):
+            r = mpmath.npdf(x) / mpmath.ncdf(x)
+            d1 = float(jax.grad(log_ndtr)(x))
+            d2 = float(jax.grad(jax.grad(log_ndtr))(x))
+            assert d1 == pytest.approx(float(r), rel=1e-12)
+            # -r (x + r) cancels to ~1/x² of r x in the lower tail: a few ulps of r x there.
+            assert d2 == pytest.approx(float(-r * (x + r)), rel=1e-8, abs=1e-14)

@@ -1,0 +1,123 @@
+"""jaxdp's persistent program cache: a later process loads what an earlier one compiled.
+
+Every test uses its own temporary folder (``JAXDP_CACHE_DIR``); no cache is shared
+between tests or with the user's. The values are compared with the cache turned off, in
+the same process or a fresh one: the cache may change the time of a call, never its value.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+
+import jaxdp.accounting as A
+from jaxdp import _program_cache
+from jaxdp.accounting import _dpsgd
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ORDERS = [1.5, 2.0, 3.0, 8.0, 32.0]  # a small program: quick to compile
+
+_CHILD = """
+import json, sys
+import jaxdp.accounting as A
+from jaxdp import _program_cache as pc
+eps = A.dpsgd_epsilon(0.01, 1.1, 1000, 1e-5, orders={orders!r})
+ev = A.epsilon(A.dpsgd_event(0.02, 0.9, 300), 1e-6, orders={orders!r})
+print(json.dumps({{"eps": float(eps).hex(), "ev": float(ev).hex(), **pc.stats}}))
+""".format(orders=ORDERS)
+
+
+def _child(cache: str) -> dict:
+    env = {**os.environ, "JAXDP_CACHE_DIR": cache,
+           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _files(folder) -> list[str]:
+    path = os.path.join(folder, "programs")
+    return sorted(os.listdir(path)) if os.path.isdir(path) else []
+
+
+def test_a_second_process_loads_the_programs_and_gets_the_same_bits(tmp_path):
+    cache = str(tmp_path / "cache")
+    first = _child(cache)
+    assert first["compiled"] == 2 and first["loaded"] == 0
+    assert len(_files(cache)) == 2 and all(f.endswith(".xla") for f in _files(cache))
+    second = _child(cache)
+    assert second["loaded"] == 2 and second["compiled"] == 0
+    off = _child("off")
+    assert off["compiled"] == off["loaded"] == 0
+    for key in ("eps", "ev"):
+        assert first[key] == second[key] == off[key]
+
+
+def test_concurrent_processes_share_a_folder_safely(tmp_path):
+    cache = str(tmp_path / "cache")
+    env = {**os.environ, "JAXDP_CACHE_DIR": cache,
+           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    procs = [subprocess.Popen([sys.executable, "-c", _CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env, cwd=ROOT) for _ in range(3)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate()
+        assert p.returncode == 0, err
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    assert len({(o["eps"], o["ev"]) for o in outs}) == 1
+    assert len(_files(cache)) == 2  # whole files only: no temporary file left behind
+    again = _child(cache)
+    assert again["loaded"] == 2 and (again["eps"], again["ev"]) == (outs[0]["eps"], outs[0]["ev"])
+
+
+def _fresh_memo():
+    _dpsgd._dpsgd_epsilon_jit._memo.clear()
+
+
+def test_a_corrupted_file_is_ignored_and_rewritten(tmp_path, monkeypatch):
+    want = float(A.dpsgd_epsilon(0.01, 1.1, 1000, 1e-5, orders=ORDERS))  # conftest: the cache is off
+    monkeypatch.setenv("JAXDP_CACHE_DIR", str(tmp_path))
+    _fresh_memo()
+    before = dict(_program_cache.stats)
+    assert float(A.dpsgd_epsilon(0.01, 1.1, 1000, 1e-5, orders=ORDERS)) == want
+    assert _program_cache.stats["compiled"] == before["compiled"] + 1
+    (name,) = _files(tmp_path)
+    file = tmp_path / "programs" / name
+    data = bytearray(file.read_bytes())
+    data[-100] ^= 0xFF  # one flipped byte in the executable: its checksum no longer matches
+    file.write_bytes(bytes(data))
+    _fresh_memo()
+    assert float(A.dpsgd_epsilon(0.01, 1.1, 1000, 1e-5, orders=ORDERS)) == want
+    assert _program_cache.stats["compiled"] == before["compiled"] + 2
+    _fresh_memo()
+    assert float(A.dpsgd_epsilon(0.01, 1.1, 1000, 1e-5, orders=ORDERS)) == want
+    assert _program_cache.stats["loaded"] == before["loaded"] + 1  # the rewritten file
+
+
+def test_traced_calls_go_to_jit_and_jax_settings_are_untouched(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXDP_CACHE_DIR", str(tmp_path))
+    settings = dict(jax.config.values)
+    f = lambda s: A.dpsgd_epsilon(0.01, s, 1000, 1e-5, orders=ORDERS)  # noqa: E731
+    eager = float(f(np.float32(1.1)))  # what jit passes with x64 off
+    before = _program_cache.stats["bypassed"]
+    assert float(jax.jit(f)(1.1)) == eager
+    g = jax.grad(f)(1.1)
+    assert np.isfinite(g) and g < 0
+    assert _program_cache.stats["bypassed"] > before
+    assert dict(jax.config.values) == settings
+
+
+def test_off_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXDP_CACHE_DIR", "off")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert _program_cache.cache_dir() is None
+    _fresh_memo()
+    A.dpsgd_epsilon(0.01, 1.1, 1000, 1e-5, orders=ORDERS)
+    assert not any(tmp_path.iterdir())
+    monkeypatch.delenv("JAXDP_CACHE_DIR")
+    assert _program_cache.cache_dir() == os.path.join(str(tmp_path), "jaxdp", "programs")
