@@ -512,8 +512,6 @@ def test_disk_full_is_found_through_wrapping_exceptions(tmp_path):
     assert disk_full(group).startswith("no space left on the device (")
 
 
-@pytest.mark.xfail(strict=True, reason="needs jaxdp/cli/main.py's catch-all to call _common.report_disk_full "
-                                       "(coordinated with the lead; remove this mark then)")
 def test_train_full_disk_in_a_checkpoint_write_one_line_exit_1(tmp_path, capsys, monkeypatch):
     import errno
 

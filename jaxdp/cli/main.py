@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 
 from . import audit, calibrate, epsilon, grid, per_instance, pnsgd, train
-from ._common import Parser, error, option_message
+from ._common import Parser, error, option_message, report_disk_full
 
 SUBCOMMANDS = (epsilon, calibrate, grid, pnsgd, train, per_instance, audit)
 
@@ -117,12 +117,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     _enable_compilation_cache()
     try:
         return int(args.func(args) or 0)
-    except (ValueError, TypeError) as exc:  # validation errors name the parameter
-        msg = str(exc) or type(exc).__name__
-        return error(option_message(msg))
+    except Exception as exc:  # a full disk anywhere (also wrapped by orbax): one line naming the path, exit 1
+        status = report_disk_full(exc)
+        if status is not None:
+            return status
+        return _report(exc)
     except KeyboardInterrupt:
         print("jaxdp: interrupted", file=sys.stderr)
         return 130
-    except Exception as exc:  # never a traceback on the command line
-        print(f"jaxdp: error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", file=sys.stderr)
-        return 1
+
+
+def _report(exc: Exception) -> int:
+    """One ``jaxdp: error:`` line for an exception: exit 2 for a bad value (it names the parameter), else 1."""
+    if isinstance(exc, (ValueError, TypeError)):
+        return error(option_message(str(exc) or type(exc).__name__))
+    # Never a traceback on the command line.
+    print(f"jaxdp: error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", file=sys.stderr)
+    return 1

@@ -19,7 +19,7 @@ import sys
 import time
 import warnings
 
-from ._common import check_out_dir, data_error, error, option_message, seed
+from ._common import check_out_dir, data_error, error, option_message, report_disk_full, seed
 
 _MODELS = ("logistic", "softmax", "mlp")
 _SBCD_HIDDEN = "dpsbcd hidden-state (Chen & Liu Thm 4.6, layers summed)"  # the report's name for it
@@ -233,7 +233,8 @@ def run(args) -> int:
                         noise_seed=args.insecure_noise_seed, options=options)
         total = time.perf_counter() - start
     except (ValueError, TypeError) as err:
-        return error(_cli_message(str(err)))
+        status = report_disk_full(err)  # orbax may wrap a full disk in another error
+        return status if status is not None else error(_cli_message(str(err)))
     except FloatingPointError as err:  # TrainingDivergedError: a broken model gets no report
         return error(_cli_message(str(err)), status=1)
 
