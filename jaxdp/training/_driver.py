@@ -132,10 +132,14 @@ def _train(model, data, mechanism, delta, order_seed, noise_seed, options: RunOp
     if not isinstance(options, RunOptions):
         raise ValueError(f"options must be a jaxdp.training.RunOptions; got {type(options).__name__}.")
     _validate.check_delta(delta)
-    if isinstance(order_seed, bool) or not isinstance(order_seed, (int, np.integer)):
-        raise ValueError(f"order_seed must be an integer; got {order_seed!r}.")
-    if noise_seed is not None and (isinstance(noise_seed, bool) or not isinstance(noise_seed, (int, np.integer))):
-        raise ValueError(f"noise_seed must be None (secret key from the OS entropy) or an integer; got {noise_seed!r}.")
+    # jax.random.key takes a 64-bit seed: larger ones raised a bare OverflowError.
+    if isinstance(order_seed, bool) or not isinstance(order_seed, (int, np.integer)) \
+            or not -2**63 <= int(order_seed) < 2**63:
+        raise ValueError(f"order_seed must be an integer in [-2**63, 2**63); got {order_seed!r}.")
+    if noise_seed is not None and (isinstance(noise_seed, bool) or not isinstance(noise_seed, (int, np.integer))
+                                   or not -2**63 <= int(noise_seed) < 2**63):
+        raise ValueError(f"noise_seed must be None (secret key from the OS entropy) or an integer in "
+                         f"[-2**63, 2**63); got {noise_seed!r}.")
     mesh = None
     if options.devices is not None:
         mesh = data_parallel_mesh(options.devices)

@@ -318,3 +318,13 @@ def test_labels_are_checked_at_trains_boundary(digits, algorithm):
                         ((digits.x_train[:0], digits.y_train[:0]), "no training record")]:
         with pytest.raises(ValueError, match=match):
             train(model, data, **kw)
+
+
+@pytest.mark.parametrize("name", ["noise_seed", "order_seed"])
+def test_seed_beyond_64_bits_is_a_named_error(digits, name):
+    from jaxdp.training import PNSGDMechanism, RunOptions
+
+    with pytest.raises(ValueError, match=f"{name} must be"):
+        train(SoftmaxRegression(64, 10, rngs=nnx.Rngs(0)), digits,
+              PNSGDMechanism(learning_rate=1.0, noise_multiplier=1.0, radius=30.0), options=RunOptions(progress=False),
+              **{name: 2**63})
