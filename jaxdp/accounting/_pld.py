@@ -96,17 +96,26 @@ __all__ = [
 ]
 
 PLD_GRID_SIZE = 2**14
-PLD_TAIL_BOUND = 1e-14
+PLD_TAIL_BOUND = 1e-6
 _ESTIMATES = ("upper", "lower")
 _U = float(np.finfo(np.float64).eps)
-# Orders for the window's RDP tail bound (its optimal order can be close to 1 for large μ).
-_WINDOW_ORDERS = np.array([1.05, 1.1, 1.2, 1.35, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0,
-                           16.0, 20.0, 24.0, 32.0, 48.0, 64.0, 96.0, 128.0])
-# Chernoff exponents for the certified tail masses: these multiples of the exponent
-# α* - 1 that set the window's top (the optimum for the discrete PLD is close to it).
-_LAMBDA_FACTORS = np.array([2.0**-0.5, 1.0, 2.0**0.5])
-# The lower end of the window sits this many (upper-tail widths) below the mean estimate.
-_LOW_SPAN = 1.15
+# The plan's coarse pass: bins per mechanism, and the ladder of tilts θ (times 1/span).
+_COARSE = 1024
+_THETAS = 2.0 ** (np.arange(-6, 37) / 2.0)
+# Chernoff exponents for the certified tail masses, as multiples of the tilt λ.
+_THETA_FACTORS = np.array([1.0, 1.5, 2.0, 3.0])
+# Mass the plan leaves to the certified tail bounds, relative to δ (the window's top, each
+# mechanism's +∞ mass summed over the composition).
+_ETA = 1e-4
+# The window's bottom: this many tilted standard deviations below the estimated answer.
+_Z_BOTTOM = 2.0
+_TINY = float(np.finfo(np.float64).tiny)
+# The window is at least (this - log δ)/λ wide: what the circular convolution folds up from
+# below (at most e^{-λW}) stays below δ·e^{-9}.
+_FOLD_LOG = 9.0
+# Extensions of the window below the answer's estimate, in units of its span (the plan).
+_EXTEND = np.concatenate([[0.0], 2.0 ** (np.arange(0, 24) / 2.0) - 0.75])
+_FOLD_LOG_LOWER = 4.6
 
 
 class PLDBracket(NamedTuple):
@@ -222,54 +231,6 @@ def _components(event, count=None):
                      "(Gaussian, Laplace, PoissonSampled Gaussian and their compositions only).")
 
 
-def _rdp_of(kind, params, orders):
-    r"""An RDP curve that places the window (an estimate: the window is certified afterwards).
-
-    Poisson-sampled Gaussian: the exact binomial sum at the integer orders,
-    :math:`A_α = \sum_k \binom{α}{k} q^k (1-q)^{α-k} e^{(k^2-k)/(2σ^2)}`, capped by the
-    Gaussian's α/(2σ²) (sampling only helps), which also serves the fractional orders.
-    Written out here (not :func:`sampled_gaussian_rdp`) to keep the compiled program small.
-    """
-    from ._rdp import gaussian_rdp, laplace_rdp
-
-    if kind == "gaussian":
-        return gaussian_rdp(orders, params[0])
-    if kind == "laplace":
-        return laplace_rdp(orders, params[0])
-    q, sigma = params
-    full = f64(orders) / (2.0 * sigma**2)
-    is_int = orders == np.round(orders)
-    a = np.where(is_int, orders, 2.0)[:, None]
-    k = np.arange(int(orders[is_int].max()) + 1, dtype=np.float64)[None, :]
-    used = k <= a
-    log_binom = np.where(used, _lgamma(a + 1) - _lgamma(k + 1) - _lgamma(np.maximum(a - k, 0) + 1),
-                         -np.inf)
-    inner = (q > 0) & (q < 1)
-    qs = jnp.where(inner, q, 0.5)
-    terms = (log_binom + k * jnp.log(qs) + np.maximum(a - k, 0.0) * jnp.log1p(-qs)
-             + (k * k - k) / (2.0 * sigma**2))
-    log_a = jax.scipy.special.logsumexp(jnp.where(used, terms, -jnp.inf), axis=-1)
-    sampled = jnp.where(inner, log_a / (a[:, 0] - 1.0), jnp.where(q >= 1, full, 0.0))
-    return jnp.where(is_int, jnp.minimum(sampled, full), full)
-
-
-def _lgamma(x):
-    return np.vectorize(math.lgamma)(np.asarray(x, dtype=np.float64))
-
-
-def _mean_upper(kind, params):
-    """An upper estimate of E_P[L] = KL(P‖Q) of one mechanism (both directions)."""
-    if kind == "gaussian":
-        return 0.5 / params[0] ** 2
-    if kind == "laplace":
-        inv = 1.0 / params[0]
-        return inv + jnp.expm1(-inv)
-    q, s = params
-    mu2 = 1.0 / s**2
-    # KL ≤ q μ²/2 (convexity) and KL ≤ D_2 = log(1 + q²(e^{μ²} - 1)).
-    return jnp.minimum(0.5 * q * mu2, jnp.log1p(q * q * jnp.expm1(jnp.minimum(mu2, 700.0))))
-
-
 def _directions(kinds) -> tuple[str, ...]:
     return ("remove", "add") if "sampled_gaussian" in kinds else ("remove",)
 
@@ -313,8 +274,16 @@ def _ctd_complement(g, eps_grid, h):
 _REVERSE = {"remove": "add", "add": "remove"}
 
 
-def _masses(kind, params, eps_grid, h, direction, estimate):
-    """Masses on the grid and the mass at +∞ (pessimistic CTD, or optimistic buckets)."""
+def _masses(kind, params, eps_grid, h, direction, estimate, cut_loss=None):
+    """Masses on the grid and the mass at +∞ (pessimistic CTD, or optimistic buckets).
+
+    ``cut_loss`` (a grid point) ends the grid there: the curve is held constant above it, so
+    the upper bound's mass above it goes to +∞ (δ(cut)) and the lower bound's to the cut.
+    """
+    beyond = None
+    if cut_loss is not None:
+        beyond = eps_grid >= cut_loss
+        eps_grid = jnp.minimum(eps_grid, cut_loss)
     if estimate == "upper":
         d = jnp.clip(_curve(kind, params, eps_grid, direction, "upper"), 0.0, 1.0)
         # g(ε) = e^ε δ_reverse(-ε): the hockey stick of the swapped pair (Q, P).
@@ -330,6 +299,8 @@ def _masses(kind, params, eps_grid, h, direction, estimate):
         d_prev = jnp.concatenate([jnp.ones((1,)), d[:-1]])
         g_next = jnp.concatenate([g[1:], jnp.full((1,), jnp.inf)])
         p = jnp.where(d_prev <= g_next, p_d, p_g)
+        if beyond is not None:
+            p = jnp.where(beyond, p_d, p)
         return jnp.maximum(p, 0.0), d[-1]
     s = jnp.clip(_curve(kind, params, eps_grid, direction, "lower"), 0.0, 1.0)
     p = jnp.concatenate([s[:-1] - s[1:], s[-1:]])
@@ -356,99 +327,266 @@ def _logsumexp_weighted(logp, x):
 class _Composed(NamedTuple):
     probs: jax.Array  # (n,) masses on bins (A + j) h
     losses: jax.Array  # (n,) the bin losses
-    extra: jax.Array  # mass counted as +∞ (upper: ∞-mass + tail + margin) or subtracted (lower)
+    extra: jax.Array  # mass counted as +∞ (upper: ∞-mass + tail) or subtracted (lower)
+    fold: object = None  # lower bound: ε ↦ bound on the mass folded down onto losses > ε
 
 
-def _window(kinds, params, counts, tau):
-    """Window [lo, hi] of the composed loss and the single mechanisms' lower ends and widths."""
-    orders = _WINDOW_ORDERS
-    ks = [jnp.where(jnp.isfinite(k), k, 0.0) for k in counts]
-    k_tot = sum(ks)
-    curves = [_rdp_of(kd, p, orders) for kd, p in zip(kinds, params)]
-    # The Poisson-sampled Gaussian's mean estimate can be up to twice the true mean (D_2 vs
-    # χ²/2): the window's lower end is placed from half of it, so that the bulk of the
-    # composed loss is never below the window (folded mass would land at its top).
-    means = [_mean_upper(kd, p) * (0.5 if kd == "sampled_gaussian" else 1.0) for kd, p in zip(kinds, params)]
-    lam = f64(orders) - 1.0
+def _single_range(kind, params, direction, z):
+    """Loss range [b, t] of one mechanism outside which each tail has mass ≤ Φ̄(z) (a placement).
+
+    Gaussian (μ = 1/σ): L ~ N(μ²/2, μ²). Laplace: L ∈ [-1/b, 1/b]. Poisson-sampled Gaussian,
+    remove: L = log(1 - q + q e^g) ≥ log(1 - q), and L > t only if g > y, g ~ N(μ²/2, μ²)
+    under the mixture's worse component; add: L = -log(1 - q + q e^{g'}) ≤ -log(1 - q).
+    Mass below b is moved up to the grid (the chord), mass above t goes to +∞ (exactly,
+    δ(top)): the range only places the grid, it certifies nothing.
+    """
+    if kind == "laplace":
+        inv = 1.0 / params[0]
+        return -inv, inv
+    mu = 1.0 / params[-1]
+    if kind == "gaussian":
+        return 0.5 * mu * mu - z * mu, 0.5 * mu * mu + z * mu
+    q = jnp.clip(params[0], 1e-300, 1.0)
+    lq = jnp.log1p(-jnp.minimum(q, 1.0 - 1e-16))
+    lq = jnp.where(q < 1.0, lq, -1e300)
+    logq = jnp.log(q)
+    if direction == "remove":
+        b = jnp.maximum(lq, logq - 0.5 * mu * mu - z * mu)
+        t = jnp.logaddexp(lq, logq + mu * z + 0.5 * mu * mu)
+    else:
+        t = jnp.minimum(-lq, -logq + 0.5 * mu * mu + z * mu)
+        b = -jnp.logaddexp(lq, logq + mu * z - 0.5 * mu * mu)
+    return b, t
+
+
+def _lse(logp, x):
+    """log Σ_i exp(logp_i + x_i) along the last axis (-inf for no mass; logp may be -inf)."""
+    v = jnp.where(jnp.isfinite(logp), logp + x, -jnp.inf)
+    m = jax.lax.stop_gradient(jnp.max(v, axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    s = jnp.sum(jnp.exp(v - m), axis=-1)
+    pos = s > 0
+    return jnp.where(pos, jnp.log(jnp.where(pos, s, 1.0)) + m[..., 0], -jnp.inf)
+
+
+def _cut(o, t, h, n):
+    """The grid point (o + i)h, i < n, at or just above the loss t (the grid's end)."""
+    i = jnp.clip(jnp.ceil(t / h - o), 1.0, n - 1.0)
+    return (o + i) * h
+
+
+def _plan(kinds, params, counts, direction_list, query, what, tau):
+    """The grid spacing, and per direction the tilt λ and the window's top (all estimates).
+
+    A coarse pass (``_COARSE`` bins per mechanism) gives the discrete log moment generating
+    function Λ(θ) = Σ_c k_c log Σ_i p_{c,i} e^{θ ℓ_i} on a ladder of θ. For ε(δ) the
+    Chernoff point ε_ch = min_θ (Λ(θ) - log δ)/θ and its θ are the tilt's centre; the
+    answer lies a little below (saddle point, ε_ch - log(λ s √(2π))/λ, s² the tilted
+    variance); the window covers [answer - 2 s, Chernoff point at δ·η]. For δ(ε) the
+    window starts just below ε. The spacing is the larger of that span and every
+    mechanism's own range over n - 2 bins. Nothing here needs to be exact: the result is
+    certified for any plan (see :func:`_compose`); the plan only makes it tight.
+    """
+    ks = [jnp.where(jnp.isfinite(k) & (k >= 0), k, 0.0) for k in counts]
+    k_tot = jnp.maximum(sum(ks), 1.0)
+    if what == "epsilon":
+        log_dt = jnp.log(jnp.clip(query, 1e-300, 1.0))
+    else:
+        log_dt = None
     log_tau = jnp.log(tau)
-    total = sum(k * c for k, c in zip(ks, curves))
-    bound = total - log_tau / lam
-    hi = jnp.min(bound)
-    # (No argmin: its variadic reduction breaks reverse mode outside the float64 scope.)
-    lam_star = jnp.max(jnp.where(bound <= hi, lam, 0.0))
-    mean = sum(k * m for k, m in zip(ks, means))
-    lo = mean - _LOW_SPAN * (hi - mean)
-    width = hi - lo
-    singles = []
-    log_tau1 = log_tau - jnp.log(jnp.maximum(k_tot, 1.0))
-    for c, m in zip(curves, means):
-        hi1 = jnp.min(c - log_tau1 / lam)
-        lo1 = m - _LOW_SPAN * (hi1 - m)
-        singles.append(lo1)
-        width = jnp.maximum(width, hi1 - lo1)
-    return lo, width, singles, jax.lax.stop_gradient(lam_star)
+
+    def z_of(log_dt_):
+        log_t1 = jnp.minimum(log_tau, log_dt_ + math.log(_ETA)) - jnp.log(k_tot)
+        return jnp.sqrt(2.0 * jnp.maximum(-log_t1, 1.0))
+
+    # Single ranges, with the tail mass from δ (for δ(ε) from a first guess at ε: tail_bound).
+    z = z_of(log_dt) if log_dt is not None else z_of(log_tau - math.log(_ETA))
+    ranges = {d: [_single_range(kd, p, d, z) for kd, p in zip(kinds, params)] for d in direction_list}
+    span_s = jnp.max(jnp.stack([t - b for d in direction_list for b, t in ranges[d]]))
+    span_s = jnp.where(jnp.isfinite(span_s) & (span_s > 0), span_s, 1.0)
+    n1 = _COARSE
+    h1 = span_s / (n1 - 2)
+    j1 = jnp.arange(n1, dtype=jnp.float64)
+    thetas = f64(_THETAS) / span_s
+    plans, spans = {}, []
+    for d in direction_list:
+        lam_mgf = jnp.zeros(thetas.shape)
+        neg_mgf = jnp.zeros(thetas.shape)
+        parts = []
+        for kd, p_, k, (b, _) in zip(kinds, params, ks, ranges[d]):
+            o1 = jnp.floor(b / h1)
+            grid = (o1 + j1) * h1
+            p, _ = _masses(kd, p_, grid, h1, d, "upper", _cut(o1, ranges[d][len(parts)][1], h1, n1))
+            logp = jnp.where(p > 0, jnp.log(jnp.where(p > 0, p, 1.0)), -jnp.inf)
+            lam_mgf = lam_mgf + k * _lse(logp[None, :], thetas[:, None] * grid[None, :])
+            neg_mgf = neg_mgf + k * _lse(logp[None, :], -thetas[:, None] * grid[None, :])
+            parts.append((logp, grid, k))
+        if what == "epsilon":
+            obj = (lam_mgf - log_dt) / thetas
+        else:
+            obj = lam_mgf - thetas * query
+        best = jnp.min(obj)
+        lam = jnp.max(jnp.where(obj <= best, thetas, 0.0))  # (no argmin, see _epsilon_read)
+        if what == "delta":
+            log_dt = jnp.minimum(best, 0.0)
+        # Tilted variance at λ.
+        var = jnp.zeros(())
+        for logp, grid, k in parts:
+            a = _lse(logp, lam * grid)
+            w = jnp.exp(jnp.where(jnp.isfinite(logp), logp + lam * grid - a, -jnp.inf))
+            m = jnp.sum(w * grid)
+            var = var + k * jnp.sum(w * (grid - m) ** 2)
+        s = jnp.sqrt(jnp.maximum(var, 0.0))
+        # Top: the Chernoff point at δ·η (mass above it is certified and negligible).
+        top_obj = (lam_mgf - (log_dt + math.log(_ETA))) / thetas
+        top = jnp.min(top_obj)
+        th_top = jnp.max(jnp.where(top_obj <= top, thetas, 0.0))
+        if what == "epsilon":
+            centre = best - jnp.log(jnp.maximum(lam * s * math.sqrt(2.0 * math.pi), 1.0)) / lam
+            bottom = centre - _Z_BOTTOM * s
+        else:
+            bottom = query - 2.0 * h1
+        # The window [b, top] holds [bottom, top] and reaches so far down that the mass folded
+        # up by W = top - b, at most e^{-λW} P(L < b) ≤ e^{-λW + Λ(-θ) + θb}, is below δe^{-9}:
+        # the smallest of a ladder of extensions below ``bottom`` that does.
+        base = jnp.maximum(top - bottom, h1)
+        b_c = bottom - base * f64(_EXTEND)
+        log_below = jnp.minimum(jnp.min(neg_mgf[None, :] + thetas[None, :] * b_c[:, None], axis=1), 0.0)
+        fits = -lam * (top - b_c) + log_below <= log_dt - _FOLD_LOG
+        b_fit = jnp.max(jnp.where(fits, b_c, b_c[-1]))
+        plans[d] = (lam, top, bottom, log_dt, th_top)
+        spans.append(top - b_fit)
+    span_c = jnp.max(jnp.stack(spans))
+    return span_s, span_c, plans, z
 
 
-def _compose(kinds, params, counts, n, tau, estimate):
-    """Per direction, the composed discrete PLD on the window (see the module docstring)."""
-    lo, width, singles, lam_star = _window(kinds, params, counts, tau)
-    width = jnp.where(jnp.isfinite(width) & (width > 0), width, 1.0)
-    h = width / (n - 2)
-    a0 = jnp.floor(lo / h)  # window start (bins)
+def _compose(kinds, params, counts, n, tau, estimate, query, what):
+    r"""Per direction, the composed discrete PLD on a window, computed in the tilted domain.
+
+    Each mechanism's masses :math:`p_{c,i}` on its grid :math:`ℓ_i = (o_c + i)h` are tilted,
+    :math:`\tilde p_{c,i} = p_{c,i} e^{λℓ_i - a_c}` with :math:`a_c = \log\sum_i p_{c,i}e^{λℓ_i}`
+    (a distribution again), composed by FFT, and untilted:
+    :math:`r_ℓ = \tilde r_ℓ e^{Λ - λℓ}`, Λ = Σ_c k_c a_c, exactly so in exact arithmetic.
+    Round-off :math:`\|\tilde r - \tilde r^{fl}\|_∞ ≤ m` (normwise bound, Higham §24.1) is
+    added to (upper) or subtracted from (lower) every tilted bin before untilting, so the
+    error of each composed mass is relative to :math:`e^{Λ - λℓ}`, i.e. to the hockey
+    stick near the tilt's centre, whatever δ. The circular convolution on n bins of width
+    W = nh moves mass below the window up by W, scaled by :math:`e^{-λW}` (extra mass: the
+    upper bound stays valid; the lower bound subtracts at most
+    :math:`e^{-λW}/(1 - e^{-λW})`), and mass above the window down by W, scaled by
+    :math:`e^{λW}` (extra mass for the upper bound; the lower bound subtracts a per-bin
+    Chernoff bound). The mass really above the window is added to δ in full (Chernoff,
+    :math:`\min_θ e^{Λ(θ) - θ\,top}` from the discrete moment generating functions).
+    Mass below the window has loss below every ε read off it (ε is never reported below
+    the window's bottom), so it does not count.
+    """
+    directions = _directions(kinds)
+    span_s, span_c, plans, z = _plan(kinds, params, counts, directions, query, what, tau)
+    span_s, span_c = jax.lax.stop_gradient((span_s, span_c))
+    h = jnp.maximum(span_s, span_c) / (n - 2)
+    h = jnp.where(jnp.isfinite(h) & (h > 0), h, 1.0)
+    w_all = n * h
     j = jnp.arange(n, dtype=jnp.float64)
-    losses = (a0 + j) * h
-    lams = lam_star * f64(_LAMBDA_FACTORS)
     out = []
-    for direction in _directions(kinds):
+    for direction in directions:
+        lam, top_need, bottom_need, log_dt, th_top = jax.lax.stop_gradient(plans[direction])
+        # Tilt at least so much that the folded-up bulk (≤ e^{-λW}) is far below δ.
+        if estimate == "lower":  # a smaller tilt folds less mass down (see _fold_down)
+            lam = jnp.minimum(lam, jnp.maximum((_FOLD_LOG_LOWER - log_dt) / w_all, 0.5 * lam))
+        lam = jnp.minimum(lam, 600.0 / w_all)
+        # The window: the top at the Chernoff point, unless the span is shorter than W (then
+        # the window is extended below; for δ(ε), the bottom stays just below ε).
+        # Privacy buckets round each loss down, by h/2 on average: the lower bound's
+        # composed loss sits about Σ_c k_c h/2 lower.
+        shift = sum(jnp.where(jnp.isfinite(k), k, 0.0) for k in counts) * h / 2 if estimate == "lower" else 0.0
+        if what == "delta":  # keep ε inside the window
+            shift = jnp.minimum(shift, jnp.maximum(top_need - bottom_need - 2.0 * h, 0.0))
+        a0 = jnp.ceil((top_need - jax.lax.stop_gradient(shift)) / h) - (n - 1)
+        losses = (a0 + j) * h
         spec = jnp.ones((n // 2 + 1,), dtype=jnp.complex128)
         offset = jnp.zeros(())
         log_keep_inf = jnp.zeros(())
-        log_mgf_up = jnp.zeros(lams.shape)
-        log_mgf_dn = jnp.zeros(lams.shape)
+        big_lam = jnp.zeros(())
+        # Chernoff exponents: the tilt and multiples (the lower bound's fold-down uses those
+        # above λ), and the plan's exponent for the window's top.
+        thetas = jnp.concatenate([lam * f64(_THETA_FACTORS), jnp.maximum(th_top, lam)[None] * f64([1.0, 1.5])])
+        log_mgf = jnp.zeros(thetas.shape)
+        neg_mgf = jnp.zeros(thetas.shape)
         norm_term = jnp.zeros(())
-        for kd, p_, k, lo1 in zip(kinds, params, counts, singles):
-            o = jnp.floor(lo1 / h)
+        for kd, p_, k in zip(kinds, params, counts):
+            kf = jnp.where(jnp.isfinite(k), k, 0.0)
+            b1, t1 = jax.lax.stop_gradient(_single_range(kd, p_, direction, z))
+            o = jnp.floor(b1 / h)
             grid = (o + j) * h
-            p, p_inf = _masses(kd, p_, grid, h, direction, estimate)
-            c = jnp.fft.rfft(p)
+            # The grid ends at the mechanism's planned top (as in the plan): above it the
+            # moment generating function would be dominated by far tails that cost little δ.
+            p, p_inf = _masses(kd, p_, grid, h, direction, estimate, _cut(o, t1, h, n))
+            logp = jnp.where(p > 0, jnp.log(jnp.where(p > 0, p, 1.0)), -jnp.inf)
+            a = _lse(logp, lam * grid)
+            pt = jnp.exp(jnp.where(p > 0, logp + lam * grid - a, -jnp.inf))
+            c = jnp.fft.rfft(pt)
             spec = spec * _safe_pow(c, k)
             offset = offset + k * o
+            big_lam = big_lam + kf * a
             log_keep_inf = log_keep_inf + k * jnp.log1p(-jnp.minimum(p_inf, 1.0 - 1e-16))
-            logp = jnp.where(p > 0, jnp.log(jnp.where(p > 0, p, 1.0)), -jnp.inf)
-            if estimate == "upper":
-                log_mgf_up = log_mgf_up + k * _logsumexp_weighted(logp[None, :], lams[:, None] * grid[None, :])
-            else:
-                log_mgf_dn = log_mgf_dn + k * _logsumexp_weighted(logp[None, :], -lams[:, None] * grid[None, :])
-            norm_term = norm_term + k * jax.lax.stop_gradient(jnp.sqrt(jnp.sum(p * p)))
+            log_mgf = log_mgf + kf * _lse(logp[None, :], thetas[:, None] * grid[None, :])
+            if estimate == "lower":
+                neg_mgf = neg_mgf + kf * _lse(logp[None, :], -thetas[:, None] * grid[None, :])
+            norm_term = norm_term + k * jax.lax.stop_gradient(jnp.sqrt(jnp.sum(pt * pt)))
         # Roll the circular result so that entry j is bin a0 + j: multiply by a phase
         # (an elementwise product; (f·s) mod n is exact in float64 for n ≤ 2^26).
         s = jnp.mod(a0 - offset, n)
         f = jnp.arange(n // 2 + 1, dtype=jnp.float64)
         phase = 2.0 * math.pi * jnp.mod(f * s, n) / n
-        spec_w = spec * jnp.exp(1j * phase)
-        r = jnp.fft.irfft(spec_w, n)
+        r_t = jnp.fft.irfft(spec * jnp.exp(1j * phase), n)
         # The rounding margin carries no derivative (it is a bound on round-off).
         spec_norm = jnp.sqrt(2.0 * jnp.sum(jnp.abs(jax.lax.stop_gradient(spec)) ** 2))
         margin = 8.0 * _U * (math.log2(n) + 2.0) * (1.0 + norm_term) * (spec_norm + 1.0) + 4.0 * n * _U
         p_inf_tot = -jnp.expm1(log_keep_inf)
         top = (a0 + n) * h  # smallest loss above the window
-        bottom = (a0 - 1.0) * h  # largest loss below it
+        log_scale = big_lam - lam * losses
         if estimate == "upper":
-            t_up = jnp.exp(jnp.minimum(jnp.min(log_mgf_up - lams * top), 0.0))
-            probs = jnp.maximum(r, 0.0)
-            extra = p_inf_tot + t_up + margin
+            t_up = jnp.exp(jnp.minimum(jnp.min(log_mgf - thetas * top), 0.0))
+            mass = jnp.maximum(r_t, 0.0) + margin
+            probs = jnp.exp(jnp.minimum(jnp.log(mass) + log_scale, 0.0))
+            # Bins whose mass underflows lose at most n times the smallest normal.
+            extra = p_inf_tot + t_up + n * _TINY
+            fold = None
         else:
-            t_dn = jnp.exp(jnp.minimum(jnp.min(log_mgf_dn + lams * bottom), 0.0))
-            probs = r
-            extra = -(t_dn + margin)
-        out.append(_Composed(probs, losses, extra))
+            mass = jnp.maximum(r_t - margin, 0.0)
+            logm = jnp.where(mass > 0, jnp.log(jnp.where(mass > 0, mass, 1.0)), -jnp.inf)
+            probs = jnp.exp(jnp.minimum(logm + log_scale, 0.0))
+            # Mass below the window folded up by mW, scaled by e^{-λmW}: at most
+            # P(L < bottom) e^{-λW}/(1 - e^{-λW}), P(L < b) ≤ min_θ e^{Λ(-θ) + θb}.
+            bottom = a0 * h
+            log_below = jnp.minimum(jnp.min(neg_mgf + thetas * bottom), 0.0)
+            extra = -jnp.exp(log_below - lam * w_all) / -jnp.expm1(-lam * w_all)
+            fold = functools.partial(_fold_down, log_mgf[1:], thetas[1:], lam, w_all)
+        out.append(_Composed(probs, losses, extra, fold))
     return out
+
+
+def _fold_down(log_mgf, thetas, lam, w_all, eps):
+    r"""Bound on the mass the circular convolution folds down onto losses > ε (lower bound).
+
+    Mass at ℓ + mW lands at ℓ, multiplied by :math:`e^{λmW}`; it lands above ε only from
+    above ε + mW: :math:`\sum_m e^{λmW} P(L > ε + mW) ≤ e^{Λ(θ) - θ(ε+W) + λW}/(1 - e^{-(θ-λ)W})`
+    for every θ > λ (Chernoff).
+    """
+    eps = jnp.asarray(eps)
+    d = thetas - lam
+    ex = (log_mgf - thetas * (eps[..., None] + w_all) + lam * w_all - jnp.log(-jnp.expm1(-d * w_all)))
+    return jnp.exp(jnp.minimum(jnp.min(ex, axis=-1), 0.0))
 
 
 def _delta_read(c: _Composed, eps, estimate):
     w = -jnp.expm1(jnp.minimum(eps - c.losses, 0.0))
     w = jnp.where(c.losses > eps, w, 0.0)
     d = jnp.sum(c.probs * w) + c.extra
+    if c.fold is not None:
+        d = d - c.fold(eps)
+    if estimate == "upper":  # below the window's bottom (never planned so) nothing is certified
+        d = jnp.where(eps >= c.losses[0] - (c.losses[1] - c.losses[0]), d, 1.0)
     return jnp.clip(d, 0.0, 1.0)
 
 
@@ -500,8 +638,13 @@ def _epsilon_read(c: _Composed, target):
     n = r.shape[0]
     h = e[1] - e[0]
     s_next, d_next = _tail_sums(r, h)
-    d_at = c.extra + s_next - d_next  # δ at ε = ε_j
-    ok = d_at <= target
+    # The constant part of the curve on (ε_{j-1}, ε_j] (the lower bound's fold-down bound is
+    # taken at ε_{j-1}, its largest value there).
+    x = c.extra if c.fold is None else c.extra - c.fold(e - h)
+    d_at = x + s_next - d_next  # δ at ε = ε_j
+    # The first bin from which the curve stays ≤ target (the lower bound's curve need not be
+    # monotone; the true δ is, so δ(ε) ≥ the lower curve at every ε' ≥ ε).
+    ok = jnp.cumsum((d_at > target)[::-1])[::-1] == 0
     any_ok = jnp.any(ok)
     idx = jnp.arange(n, dtype=jnp.float64)
     first = jnp.min(jnp.where(ok, idx, float(n)))  # no argmax (see _window)
@@ -510,13 +653,16 @@ def _epsilon_read(c: _Composed, target):
     s_star = jnp.sum(onehot * (s_next + r))
     dd_star = jnp.sum(onehot * (d_next + r))
     e_star = jnp.sum(onehot * e)
-    num = c.extra + s_star - target
+    x_star = jnp.sum(onehot * x) if c.fold is not None else x
+    num = x_star + s_star - target
     pos = (num > 0) & (dd_star > 0)
     # X + S - e^{ε - ε_j} D' = target  ⇒  ε = ε_j + log((X + S - target)/D').
     sol = jnp.where(pos, e_star + jnp.log(jnp.where(pos, num, 1.0)) - jnp.log(jnp.where(pos, dd_star, 1.0)),
                     -jnp.inf)
     sol = jnp.minimum(sol, e_star)  # δ(e_star) ≤ target was checked on the grid
-    sol = jnp.where(first > 0, jnp.maximum(sol, e_star - h), sol)
+    # Never below the bin before: at the window's bottom ε_0 the mass below the window (not
+    # held) has losses ≤ ε_0 - h, so the curve is exact down to there and no further.
+    sol = jnp.maximum(sol, e_star - h)
     out = jnp.maximum(sol, 0.0)
     return jnp.where(any_ok & (c.extra < target), out, jnp.inf)
 
@@ -584,7 +730,7 @@ def _one_value(kinds, sizes, n, tau, estimate, what, *xs):
         valid &= (p_[-1] > 0) & (k >= 0)
         if kd == "sampled_gaussian":
             valid &= (p_[0] >= 0) & (p_[0] <= 1)
-    composed = _compose(kinds, params, counts, n, tau, estimate)
+    composed = _compose(kinds, params, counts, n, tau, estimate, query, what)
     if what == "delta":
         res = [_delta_read(c, query, estimate) for c in composed]
     else:
