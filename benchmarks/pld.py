@@ -7,7 +7,10 @@ PLD calibration of σ for a target ε is faster than dp_accounting's calibrate_d
 with a PLDAccountant factory. The peers are host Python, one configuration at a time: a
 random sample of the grid is timed and extrapolated (said in the output).
 
-Run: ``python benchmarks/pld.py [--sample 20] [--configs 1000]``. Prints ratios; figures go
+Also (issue 27) a table of five DP-SGD configurations: jaxdp's default bracket against
+dp_accounting's PLD at value step 1e-5 (and its default 1e-4).
+
+Run: ``python benchmarks/pld.py [--sample 20] [--configs 1000] [--no-table]``. Prints ratios; figures go
 into benchmarks/README.md with the machine.
 """
 
@@ -49,15 +52,37 @@ def _opacus_epsilon(q, s, t, delta):
     return acc.get_epsilon(delta)
 
 
+# The acceptance table (issue 27): five DP-SGD configurations (q, σ, steps), δ = 1e-5.
+TABLE = [(256 / 60000, 1.1, 14063), (0.001, 0.8, 1000), (0.1, 2.0, 100), (0.01, 1.0, 10000), (0.001, 1.0, 10000)]
+
+
+def _table(delta) -> None:
+    """jaxdp's default bracket against dp_accounting's PLD at value step 1e-5 (and 1e-4)."""
+    q, s, t = (np.array(x, dtype=float) for x in zip(*TABLE))
+    f = jax.jit(lambda q, s, t: A.pld_bracket(A.dpsgd_event(q, s, t), delta))
+    b = jax.block_until_ready(f(q, s, t))
+    print(f"| (q, σ, steps) | jaxdp upper (2^14) | dp_accounting 1e-5 | rel. | dp_accounting 1e-4 | rel. | jaxdp lower | lower/upper |")
+    for i, (qi, si, ti) in enumerate(TABLE):
+        fine = _dpa_epsilon(qi, si, ti, delta, interval=1e-5)
+        coarse = _dpa_epsilon(qi, si, ti, delta, interval=1e-4)
+        up, lo = float(b.upper[i]), float(b.lower[i])
+        print(f"| ({qi:.5g}, {si}, {ti}) | {up:.6f} | {fine:.6f} | {up / fine - 1:+.2e} | {coarse:.6f} | "
+              f"{coarse / fine - 1:+.2e} | {lo:.4f} | {lo / up:.3f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", type=int, default=1000)
     ap.add_argument("--sample", type=int, default=20, help="peer configurations timed (extrapolated)")
     ap.add_argument("--delta", type=float, default=1e-5)
+    ap.add_argument("--no-table", action="store_true", help="skip the five-configuration accuracy table")
+    ap.add_argument("--no-calibration", action="store_true", help="skip the calibration timing")
     args = ap.parse_args()
     jax.config.update("jax_enable_x64", True)
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, jax {jax.__version__}, "
-          f"backend {jax.default_backend()}")
+          f"backend {jax.default_backend()}, load average {os.getloadavg()[0]:.1f}")
+    if not args.no_table:
+        _table(args.delta)
     q, s, t = _grid(args.configs)
     f = jax.jit(lambda q, s, t: A.pld_epsilon(A.dpsgd_event(q, s, t), args.delta))
     t0 = time.perf_counter()
@@ -67,7 +92,7 @@ def main() -> None:
     t0 = time.perf_counter()
     eps = np.asarray(jax.block_until_ready(f(q, s, t)))
     ours = (time.perf_counter() - t0) / args.configs
-    print(f"jaxdp PLD (grid {A.PLD_GRID_SIZE}): {ours * 1e3:.2f} ms/config over {args.configs} configs "
+    print(f"jaxdp PLD (grid {A.PLD_GRID_SIZE}, upper bound): {ours * 1e3:.2f} ms/config over {args.configs} configs "
           f"(one vmapped call; first compile {compile_s:.1f} s)")
     idx = np.random.default_rng(1).choice(args.configs, size=min(args.sample, args.configs), replace=False)
     dpa, errs = [], []
@@ -87,6 +112,8 @@ def main() -> None:
               f"jaxdp - Opacus: {min(oerr) * 100:+.3f}% .. {max(oerr) * 100:+.3f}%; speed-up {op_t / ours:.1f}x")
     except Exception as exc:  # opacus not installed or failing on a configuration
         print(f"Opacus PRV: skipped ({type(exc).__name__}: {exc})")
+    if args.no_calibration:
+        return
     # Calibration of σ for ε = 1 (q = 256/60000, 14040 steps).
     cal = jax.jit(lambda e: A.calibrate_pld_noise_multiplier(e, 256 / 60000, 14040, args.delta))
     t0 = time.perf_counter()

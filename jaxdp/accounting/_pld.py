@@ -762,7 +762,7 @@ def _refuse_uncertified(eps, delta) -> None:
 
 @float64
 def pld_epsilon(event, delta, *, grid_size: int = PLD_GRID_SIZE, tail_bound: float = PLD_TAIL_BOUND,
-                estimate: str = "upper") -> jax.Array:
+                estimate: str = "upper", fallback: str = "rdp") -> jax.Array:
     r"""ε at which the event is (ε, δ)-DP, from its privacy loss distribution (FFT).
 
     :math:`ε = \min\{ε ≥ 0 : δ_ω(ε) ≤ δ\}` for the composed discrete PLD ω, with
@@ -774,17 +774,21 @@ def pld_epsilon(event, delta, *, grid_size: int = PLD_GRID_SIZE, tail_bound: flo
         ``PoissonSampled(q, Gaussian(...))`` (add/remove-one), ``SelfComposed`` and
         ``Composed`` (a batch if its leaves have leading axes).
       delta: target δ in (0, 1), broadcast against the batch.
-      grid_size: static number of loss bins n (a power of two, default 2^16): the error of
-        the upper bound shrinks like 1/n², time grows like n log n.
-      tail_bound: static mass allowed outside the window / above each mechanism's grid
-        (default 1e-14); the mass actually outside is certified and added to δ.
+      grid_size: static number of loss bins n (a power of two, default 2^14 = 16384): the
+        error of the upper bound shrinks like 1/n², time grows like n log n.
+      tail_bound: static cap on the mass the grid plan leaves outside the window and above
+        each mechanism's grid (default 1e-6; the plan uses min(tail_bound, 1e-4·δ)); the
+        mass actually outside is certified and added to δ.
       estimate: ``"upper"`` (default, a certified upper bound on ε) or ``"lower"`` (a
         certified lower bound, privacy buckets rounded down).
+      fallback: ``"rdp"`` (default): where the PLD grid cannot certify δ (the mass it
+        places at +∞ exceeds it), the upper bound is the RDP accountant's ε
+        (:func:`epsilon`, also certified; a ``UserWarning`` says so when called eagerly);
+        ``"none"``: +inf there (eagerly a ``ValueError``). Ignored for ``"lower"``.
 
     Returns:
-      float64 ε ≥ 0 of the broadcast batch shape. Where the grid cannot certify δ (the
-      mass placed at +∞ by truncation, tails and rounding exceeds it) eagerly a
-      ``ValueError``, under ``jit`` +inf. Invalid leaves: ``ValueError`` eagerly, NaN under ``jit``.
+      float64 ε ≥ 0 of the broadcast batch shape. Invalid leaves: ``ValueError`` eagerly,
+      NaN under ``jit``.
 
     References:
       Doroshenko et al., PoPETs 2022, Algorithm 1; Koskela et al., AISTATS 2020.
@@ -797,10 +801,27 @@ def pld_epsilon(event, delta, *, grid_size: int = PLD_GRID_SIZE, tail_bound: flo
       4.377
     """
     _check_options(grid_size, tail_bound, estimate)
+    _validate.check_static_choice("fallback", fallback, ("rdp", "none"))
     _validate.check_delta(delta)
     out = _evaluate(event, delta, int(grid_size), float(tail_bound), estimate, "epsilon")
+    if estimate == "upper" and fallback == "rdp":
+        out = _rdp_fallback(event, delta, out)
     _refuse_uncertified(out, delta)
     return out
+
+
+def _rdp_fallback(event, delta, out):
+    """+inf (the grid cannot certify δ) replaced by the RDP accountant's ε, with a warning."""
+    import warnings
+
+    from .. import accounting
+
+    rdp = accounting.epsilon(event, delta)
+    fell = jnp.isposinf(out)
+    if _validate.is_concrete(out) and bool(np.any(np.asarray(fell))):
+        warnings.warn("pld_epsilon: the PLD grid cannot certify this delta for some configurations; "
+                      "the RDP accountant's epsilon (also an upper bound) is returned there.", stacklevel=3)
+    return jnp.where(fell, rdp, out)
 
 
 @float64
