@@ -78,12 +78,21 @@ def _check_numeric(name: str, value: Any) -> None:
         raise ValueError(f"{name} must hold real numbers; got an array of dtype {np.dtype(kind)}.")
 
 
+def _shape(value: Any) -> tuple:
+    """The shape ``jnp.asarray(value)`` would have, without converting (a list may hold tracers)."""
+    if hasattr(value, "shape"):
+        return tuple(value.shape)
+    if isinstance(value, (list, tuple)):
+        return (len(value), *(_shape(value[0]) if value else ()))
+    return ()
+
+
 def check_broadcastable(**arrays: Any) -> None:
     """The named arguments' shapes must broadcast together (NumPy's rule); the error names two of them.
 
     Shapes are known while tracing too, so this checks tracers as well.
     """
-    shapes = {name: tuple(np.shape(v)) if not hasattr(v, "shape") else tuple(v.shape) for name, v in arrays.items()}
+    shapes = {name: _shape(v) for name, v in arrays.items()}
     try:
         np.broadcast_shapes(*shapes.values())
     except ValueError:
