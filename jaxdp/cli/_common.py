@@ -13,8 +13,11 @@ import math
 import os
 import sys
 
+# Exit codes (docs/reference.md, "Exit codes"): 0 success; 2 the command as given has no answer (a bad
+# option value or file, an unreachable target); 1 the run failed for another reason (full disk, diverged
+# training, a plot that could not be written, an internal error).
 EXIT_USAGE = 2
-EXIT_FAILURE = 1  # the command was valid but could not finish (full disk, unreachable target)
+EXIT_FAILURE = 1  # the command was valid but the run could not finish (full disk, divergence)
 
 # Upper bounds on sizes that would exhaust memory, checked before anything is allocated.
 MAX_RANGE_POINTS = 10**6  # points of one LO:HI:N range or a,b,c list (a grid's axis): 8 MB as float64

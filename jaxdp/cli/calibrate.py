@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import sys
 
-from ._common import EXIT_FAILURE, add_conversion_options, emit, number, orders, step_count
+from ._common import EXIT_USAGE, add_conversion_options, emit, number, orders, step_count
 
 
 def add_parser(sub) -> None:
@@ -38,14 +38,14 @@ def run(args) -> int:
     payload = dict(target_epsilon=args.epsilon, q=args.q, num_steps=args.num_steps, delta=args.delta,
                    accountant="pld" if pld else "rdp", noise_multiplier=nm, epsilon=eps, at_lower_bound=at_lower)
     if not math.isfinite(nm):
-        # Not a bad value of one option but a target out of reach: exit 1, the error on stderr
+        # A target out of reach: the command as given has no answer, exit 2 like a bad option; the error on stderr
         # (with --json the payload still goes to stdout, noise_multiplier "inf").
         if args.json:
             emit(args, payload, [])
         print(f"jaxdp: error: --epsilon {args.epsilon:g} is not reachable: no noise multiplier in the search range "
               f"gives epsilon <= {args.epsilon:g} at --delta {args.delta:g} (q={args.q:g}, "
               f"steps={args.num_steps:g}); raise --epsilon or --delta, or lower --q or --num-steps", file=sys.stderr)
-        return EXIT_FAILURE
+        return EXIT_USAGE
     if at_lower:
         # The target is met at the bracket's lower end: that end is not a threshold.
         emit(args, payload, [
