@@ -190,3 +190,37 @@ def test_gaussian_calibration_table():
         ratios += [c / cells[0] for c in cells[1:]]
     quoted(f"That is {round(100 * (min(ratios) - 1))}–{round(100 * (max(ratios) - 1))} % more noise",
            "docs/classic_mechanisms.md")
+
+
+def _example(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), ROOT / "examples" / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_contraction_crossovers_of_example_03():
+    import jax
+
+    ex = _example("03_contraction_figures.py")
+    with jax.enable_x64(True):
+        got = {i: ex.crossover(ex.FIG3, i) for i in (20, 30)}
+    for i, x in got.items():
+        quoted(f"{x:.5f}", "examples/README.md", "examples/03_contraction_figures.py")
+
+
+def test_dpsbcd_example_17_figures():
+    """docs/dpsbcd.md's ε column: the worst position's ε of the decreasing schedule D, per K."""
+    from jaxdp.data import load_digits
+
+    ex = _example("17_dpsbcd.py")
+    schedule = lambda k: ex.O_END + ex.O_SLOPE * np.arange(k - 1, -1, -1)  # noqa: E731
+    synthetic = ex._epsilon_fn(3, 4800, 960)  # (20, 64, 64, 5): 3 layers; 4,800 training records, 5 batches
+    for k in (10, 30, 50):
+        quoted(f"| 6000×20, 5 classes | {k} | {f(synthetic(schedule(k)), 3)} |", "docs/dpsbcd.md")
+    n = len(load_digits().x_train)
+    digits = ex._epsilon_fn(2, (n // 288) * 288, 288)  # (64, 64, 10): 2 layers; batches of 288
+    for k in (20, 60):
+        quoted(f"| digits | {k} | {f(digits(schedule(k)), 3)} |", "docs/dpsbcd.md")
