@@ -1,7 +1,7 @@
-"""One name per quantity: every public signature uses the README glossary's names.
+"""One name per quantity: every public signature uses the glossary's names.
 
 The test walks every public function and class of the library and fails if a parameter
-name is not in the glossary below (add a new quantity there AND in the README's glossary)
+name is not in the glossary below (add a new quantity there AND in docs/reference.md's table)
 or is a known second name for a quantity that already has one.
 """
 
@@ -13,7 +13,7 @@ import pytest
 MODULES = ("jaxdp.accounting", "jaxdp.training", "jaxdp.models", "jaxdp.data", "jaxdp.interop", "jaxdp.audit",
            "jaxdp.grids")
 
-# The README glossary (section "Names and units"), as parameter names.
+# The glossary (docs/reference.md, section "Names and units"), as parameter names.
 GLOSSARY = {
     # privacy quantities
     "epsilon", "delta", "orders", "rdp", "q", "noise_multiplier", "noise_std", "scale", "sensitivity",
@@ -119,14 +119,19 @@ _LOCAL_NAMES = {
 }
 
 
-def test_readme_glossary_names_are_the_tests_names():
-    """Every name in the README's "Names and units" table is a glossary name here."""
+def _table_names(path):
     import pathlib
     import re
 
-    text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    text = (pathlib.Path(__file__).resolve().parent.parent / path).read_text()
     section = text.split("## Names and units", 1)[1].split("\n## ", 1)[0]
     rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
-    names = {n for row in rows for n in re.findall(r"`([a-z_0-9]+)`", row)}
-    assert len(names) > 40, names
-    assert names <= GLOSSARY, sorted(names - GLOSSARY)
+    return {n for row in rows for n in re.findall(r"`([a-z_0-9]+)`", row)}
+
+
+def test_readme_glossary_names_are_the_tests_names():
+    """Every name in the "Names and units" tables (docs/reference.md: all; README: the main ones) is here."""
+    full, short = _table_names("docs/reference.md"), _table_names("README.md")
+    assert len(full) > 40, full
+    assert full <= GLOSSARY, sorted(full - GLOSSARY)
+    assert short <= full, sorted(short - full)
