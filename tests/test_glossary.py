@@ -38,6 +38,8 @@ GLOSSARY = {
     "key", "order_seed", "noise_seed", "seed", "checkpoint_key",
     # PLD accounting: static grid options
     "grid_size", "tail_bound", "estimate",
+    # trade-off curves: false-positive rates and the ε grid of the PLD profile
+    "fpr", "epsilons",
     # empirical auditing (jaxdp.audit)
     "scores_in", "scores_out", "scores", "included", "confidence", "thresholds", "successes", "trials",
     "num_canaries", "num_guesses", "num_correct",
