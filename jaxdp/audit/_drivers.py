@@ -70,6 +70,10 @@ def _check_runs(runs) -> int:
     return int(runs)
 
 
+def _with_scores(result, s_in, s_out, return_scores):
+    return (result, s_in, s_out) if return_scores else result
+
+
 def _ratio(lower, claimed):
     lower, claimed = np.asarray(lower, np.float64), np.asarray(claimed, np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -132,7 +136,7 @@ def _claimed_gaussian(noise_multiplier, delta, q, num_steps):
 
 
 def audit_gaussian(noise_multiplier, delta, *, q=1.0, num_steps: int = 1, runs: int = 100_000,
-                   confidence=0.95, key=None) -> AuditResult:
+                   confidence=0.95, key=None, return_scores: bool = False):
     r"""Audit the (Poisson-sampled) Gaussian mechanism against jaxdp's ε.
 
     The claim is the exact ε of the Gaussian mechanism (:func:`~jaxdp.accounting.gaussian_mechanism_epsilon`
@@ -142,10 +146,11 @@ def audit_gaussian(noise_multiplier, delta, *, q=1.0, num_steps: int = 1, runs: 
 
     Args:
       noise_multiplier: σ > 0; delta: δ in (0, 1); q: sampling rate in (0, 1];
-      num_steps: T ≥ 1; runs: runs per side; confidence: c in (0, 1); key: secret key.
+      num_steps: T ≥ 1; runs: runs per side; confidence: c in (0, 1); key: secret key;
+      return_scores: also return the scores (for :func:`empirical_tradeoff`).
 
     Returns:
-      An :class:`AuditResult` (scalars).
+      An :class:`AuditResult` (scalars); with ``return_scores``, ``(result, scores_in, scores_out)``.
 
     Examples:
       >>> import jax
@@ -157,7 +162,8 @@ def audit_gaussian(noise_multiplier, delta, *, q=1.0, num_steps: int = 1, runs: 
     s_in, s_out = gaussian_scores(noise_multiplier, runs, q=q, num_steps=num_steps, key=key)
     lower = float(epsilon_lower_bound(s_in, s_out, delta, confidence).epsilon)
     claimed = _claimed_gaussian(float(noise_multiplier), float(delta), float(q), int(num_steps))
-    return AuditResult(np.float64(claimed), np.float64(lower), _ratio(lower, claimed)[()])
+    return _with_scores(AuditResult(np.float64(claimed), np.float64(lower), _ratio(lower, claimed)[()]), s_in, s_out,
+                        return_scores)
 
 
 # ---------------------------------------------------------------------------------------
@@ -224,7 +230,7 @@ def pnsgd_scores(positions, num_records: int, learning_rate, noise_multiplier, c
 
 
 def audit_pnsgd(positions, num_records: int, learning_rate, noise_multiplier, clip_norm, radius, delta, *,
-                runs: int = 20_000, confidence=0.95, key=None) -> AuditResult:
+                runs: int = 20_000, confidence=0.95, key=None, return_scores: bool = False):
     r"""Audit jaxdp's per-position ε of PNSGD (hidden iterates) with the runs of :func:`pnsgd_scores`.
 
     The claim at each position is :func:`~jaxdp.accounting.pnsgd_record_epsilon` of
@@ -234,7 +240,9 @@ def audit_pnsgd(positions, num_records: int, learning_rate, noise_multiplier, cl
     grow with the position.
 
     Returns:
-      An :class:`AuditResult` of arrays of shape ``(len(positions),)``.
+      An :class:`AuditResult` of arrays of shape ``(len(positions),)``; with
+      ``return_scores``, ``(result, scores_in, scores_out)`` (scores of shape
+      ``(len(positions), runs)``).
 
     Examples:
       >>> import jax
@@ -257,7 +265,7 @@ def audit_pnsgd(positions, num_records: int, learning_rate, noise_multiplier, cl
                     num_records=int(num_records))
     per_record = np.asarray(A.pnsgd_record_epsilon(event, delta), np.float64)
     claimed = per_record[np.atleast_1d(np.asarray(positions)) - 1]
-    return AuditResult(claimed, lower, _ratio(lower, claimed))
+    return _with_scores(AuditResult(claimed, lower, _ratio(lower, claimed)), s_in, s_out, return_scores)
 
 
 # ---------------------------------------------------------------------------------------
@@ -316,11 +324,12 @@ def dpsgd_scores(q, noise_multiplier, num_steps: int, runs: int, *, clip_norm=1.
 
 
 def audit_dpsgd(q, noise_multiplier, num_steps: int, delta, *, runs: int = 20_000, confidence=0.95,
-                clip_norm=1.0, key=None) -> AuditResult:
+                clip_norm=1.0, key=None, return_scores: bool = False):
     """Audit ``dpsgd_epsilon(q, ν, T, δ)`` with the many-run gradient-canary experiment of :func:`dpsgd_scores`.
 
     Only the final model is used, so the bound is typically well below the claim (which
-    holds even when every intermediate model is released).
+    holds even when every intermediate model is released). With ``return_scores`` it
+    returns ``(result, scores_in, scores_out)``.
 
     Examples:
       >>> import jax
@@ -332,7 +341,8 @@ def audit_dpsgd(q, noise_multiplier, num_steps: int, delta, *, runs: int = 20_00
     s_in, s_out = dpsgd_scores(q, noise_multiplier, num_steps, runs, clip_norm=clip_norm, key=key)
     lower = float(epsilon_lower_bound(s_in, s_out, delta, confidence).epsilon)
     claimed = float(A.dpsgd_epsilon(q, noise_multiplier, num_steps, delta))
-    return AuditResult(np.float64(claimed), np.float64(lower), _ratio(lower, claimed)[()])
+    return _with_scores(AuditResult(np.float64(claimed), np.float64(lower), _ratio(lower, claimed)[()]), s_in, s_out,
+                        return_scores)
 
 
 def dpsgd_one_run_scores(q, noise_multiplier, num_steps: int, num_canaries: int, *, clip_norm=1.0, key=None):
