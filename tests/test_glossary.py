@@ -42,7 +42,7 @@ GLOSSARY = {
     "fpr", "epsilons",
     # empirical auditing (jaxdp.audit)
     "scores_in", "scores_out", "scores", "included", "confidence", "thresholds", "successes", "trials",
-    "num_canaries", "num_guesses", "num_correct",
+    "num_canaries", "num_guesses", "num_correct", "attack", "canary_steps",
 }
 
 # Names that would be a second name for a glossary quantity.

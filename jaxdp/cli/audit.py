@@ -16,7 +16,7 @@ import sys
 
 from ._common import SEED_RANGE, UsageError, check_out_dir, emit, fmt, number
 
-SETTINGS = ("gaussian", "sampled_gaussian", "pnsgd", "dpsgd", "dpsgd_one_run")
+SETTINGS = ("gaussian", "sampled_gaussian", "pnsgd", "pnsgd_boundary", "dpsgd", "dpsgd_one_run")
 # The runs of a setting are vmapped at once: memory grows linearly with --runs. Bounds checked
 # before any work (found by fuzzing: --runs 10^11 ran XLA out of memory).
 MAX_RUNS = 10**6  # measured: ~0.55 kB per run (643 MB peak at 2e4 runs, 743 MB at 2e5, all settings)
@@ -88,13 +88,17 @@ def run(args) -> int:
                                                   return_scores=True)
             rows.append((name, "q=0.5 noise_multiplier=1 num_steps=4", r))
             curves.append(("sampled_gaussian, q=0.5, 4 steps", (_A().dpsgd_event(0.5, 1.0, 4), "pld"), s_in, s_out))
-        elif name == "pnsgd":
+        elif name in ("pnsgd", "pnsgd_boundary"):
+            # "pnsgd_boundary": the records before the canary drive the iterate into the boundary
+            # (crafted gradients, hidden-state threat model); "pnsgd": they are zero.
+            attack = "boundary" if name == "pnsgd_boundary" else "zero"
             r, s_in, s_out = audit.audit_pnsgd([1, 3, 6], 6, 0.5, 0.5, 1.0, 1.0, d, runs=runs, confidence=c, key=k,
-                                               return_scores=True)
+                                               attack=attack, return_scores=True)
             for i, pos in enumerate((1, 3, 6)):
                 rows.append((name, f"position={pos} of 6 learning_rate=0.5 noise_multiplier=0.5 radius=1",
                              audit.AuditResult(r.claimed_epsilon[i], r.lower_bound[i], r.ratio[i])))
-                curves.append((f"pnsgd, position {pos} of 6", (_pnsgd_record_gaussian(pos), "gdp"), s_in[i], s_out[i]))
+                curves.append((f"{name}, position {pos} of 6", (_pnsgd_record_gaussian(pos), "gdp"), s_in[i],
+                               s_out[i]))
         elif name == "dpsgd":
             r, s_in, s_out = audit.audit_dpsgd(0.5, 1.0, 4, d, runs=runs, confidence=c, key=k, return_scores=True)
             rows.append((name, "q=0.5 noise_multiplier=1 num_steps=4 (final model only)", r))
@@ -167,7 +171,7 @@ def _plot(path, rows, curves, delta, confidence) -> None:
 
     from .. import audit
 
-    labels = [n if not p.startswith("position") else f"pnsgd {p.split()[0]}" for n, p, _ in rows]
+    labels = [n if not p.startswith("position") else f"{n} {p.split()[0]}" for n, p, _ in rows]
     claimed = np.array([float(r.claimed_epsilon) for _, _, r in rows])
     lower = np.array([float(r.lower_bound) for _, _, r in rows])
     x = np.arange(len(rows))
