@@ -190,3 +190,11 @@ def test_gaussian_calibration_table():
         ratios += [c / cells[0] for c in cells[1:]]
     quoted(f"That is {round(100 * (min(ratios) - 1))}–{round(100 * (max(ratios) - 1))} % more noise",
            "docs/classic_mechanisms.md")
+
+
+def test_tradeoff_figures():
+    # docs/reference.md, "Trade-off curves": the Gaussian mechanism σ = 1 at FPR 0.05
+    ev = A.Gaussian(1.0)
+    vals = [float(A.tradeoff(ev, 0.05, **kw)) for kw in (dict(accountant="gdp"), dict(accountant="pld"),
+                                                          dict(accountant="pld", estimate="lower"), {})]
+    quoted("exact {}; PLD upper {}, lower {}; RDP {}".format(*(f(v, 5) for v in vals)), "docs/reference.md")
