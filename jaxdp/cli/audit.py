@@ -89,7 +89,7 @@ def run(args) -> int:
             rows.append((name, "q=0.5 noise_multiplier=1 num_steps=4", r))
             curves.append(("sampled_gaussian, q=0.5, 4 steps", (_A().dpsgd_event(0.5, 1.0, 4), "pld"), s_in, s_out))
         elif name in ("pnsgd", "pnsgd_boundary"):
-            # "pnsgd_boundary": the records before the canary drive the iterate into the boundary
+            # "pnsgd_boundary": the other records drive the iterate into the boundary +R
             # (crafted gradients, hidden-state threat model); "pnsgd": they are zero.
             attack = "boundary" if name == "pnsgd_boundary" else "zero"
             r, s_in, s_out = audit.audit_pnsgd([1, 3, 6], 6, 0.5, 0.5, 1.0, 1.0, d, runs=runs, confidence=c, key=k,
