@@ -334,4 +334,4 @@ def _empirical_points(sorted_in, sorted_out, t, alpha):
     tail = alpha / (4 * t.shape[0])
     tpr_lo, tpr_hi = _clopper_pearson(tp, n_in, tail)
     fpr_lo, fpr_hi = _clopper_pearson(fp, n_out, tail)
-    return EmpiricalTradeoff(t, fp / n_out, tp / n_in, fpr_lo, fpr_hi, tpr_lo, tpr_hi)
+    return EmpiricalTradeoff(t, f64(fp) / n_out, f64(tp) / n_in, fpr_lo, fpr_hi, tpr_lo, tpr_hi)
