@@ -82,9 +82,10 @@ def test_pld_curve_against_dp_accounting(q, sigma, count):
     lo = np.asarray(A.tradeoff(ev, fpr, accountant="pld", estimate="lower", grid_size=GRID))
     ref = _dp_accounting_tpr(sigma, q, count, fpr)
     assert np.all(lo <= up)
-    # Never below dp_accounting's TPR: relative 1e-3 covers its discretisation of the loss
-    # (1e-4) and of the profile, which make its own value slightly pessimistic.
-    assert np.all(up >= ref * (1 - 1e-3) - 1e-12), (up, ref)
+    # Never below dp_accounting's TPR (measured: at least 1 + 5e-9 times it here). Relative
+    # 1e-6 allows for its pessimistic discretisation of the loss (1e-4), which can put its
+    # own δ a little above the true profile.
+    assert np.all(up >= ref * (1 - 1e-6) - 1e-12), (up, ref)
     # The lower bound stays below it too (dp_accounting's value is an upper bound).
     assert np.all(lo <= ref + 1e-12)
 
