@@ -224,3 +224,11 @@ def test_dpsbcd_example_17_figures():
     digits = ex._epsilon_fn(2, (n // 288) * 288, 288)  # (64, 64, 10): 2 layers; batches of 288
     for k in (20, 60):
         quoted(f"| digits | {k} | {f(digits(schedule(k)), 3)} |", "docs/dpsbcd.md")
+
+
+def test_tradeoff_figures():
+    # docs/reference.md, "Trade-off curves": the Gaussian mechanism σ = 1 at FPR 0.05
+    ev = A.Gaussian(1.0)
+    vals = [float(A.tradeoff(ev, 0.05, **kw)) for kw in (dict(accountant="gdp"), dict(accountant="pld"),
+                                                          dict(accountant="pld", estimate="lower"), {})]
+    quoted("exact {}; PLD upper {}, lower {}; RDP {}".format(*(f(v, 5) for v in vals)), "docs/reference.md")

@@ -38,9 +38,11 @@ GLOSSARY = {
     "key", "order_seed", "noise_seed", "seed", "checkpoint_key",
     # PLD accounting: static grid options
     "grid_size", "tail_bound", "estimate",
+    # trade-off curves: false-positive rates and the ε grid of the PLD profile
+    "fpr", "epsilons",
     # empirical auditing (jaxdp.audit)
     "scores_in", "scores_out", "scores", "included", "confidence", "thresholds", "successes", "trials",
-    "num_canaries", "num_guesses", "num_correct",
+    "num_canaries", "num_guesses", "num_correct", "attack", "canary_steps",
 }
 
 # Names that would be a second name for a glossary quantity.
@@ -106,7 +108,7 @@ def test_every_quantity_is_in_the_glossary(modname):
 _LOCAL_NAMES = {
     "model", "data", "fn", "x", "y", "value", "event", "events", "accountant", "dp_event", "state", "ledger",
     "params", "grads", "updates", "loss", "path", "name", "rngs", "progress", "account", "callback",
-    "return_intermediates", "steps_per_call", "checkpoint_dir", "checkpoint_every", "resume",
+    "return_intermediates", "return_scores", "steps_per_call", "checkpoint_dir", "checkpoint_every", "resume",
     "use_fast_path", "drop_remainder", "test_fraction", "in_features", "out_features", "features",
     "num_classes", "feature_norm_bound", "directory", "step", "arrays", "metadata", "max_to_keep",
     "hidden", "p", "batch", "normalize", "dtype", "param_dtype", "activation", "axis", "layer_sizes",

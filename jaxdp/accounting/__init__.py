@@ -93,6 +93,10 @@ from ._rdp import sampled_gaussian_rdp as sampled_gaussian_rdp
 from ._shifted import pnsgd_shifted_gdp as pnsgd_shifted_gdp
 from ._shifted import pnsgd_shifted_rdp as pnsgd_shifted_rdp
 from ._shifted import shifted_contraction as shifted_contraction
+from ._tradeoff import TRADEOFF_ACCOUNTANTS as TRADEOFF_ACCOUNTANTS
+from ._tradeoff import TRADEOFF_EPSILONS as TRADEOFF_EPSILONS
+from ._tradeoff import gdp_mu as gdp_mu
+from ._tradeoff import tradeoff as tradeoff
 
 __all__ = [
     # Events: what a pipeline did, as data.
@@ -113,6 +117,11 @@ __all__ = [
     "rdp",
     "register_accountant",
     "pnsgd_record_epsilon",
+    # Trade-off curves of events (TPR bound at each FPR) and the Gaussian-DP parameter.
+    "tradeoff",
+    "gdp_mu",
+    "TRADEOFF_ACCOUNTANTS",
+    "TRADEOFF_EPSILONS",
     # The PLD accountant's defaults, and both of its bounds at once.
     "PLD_GRID_SIZE",
     "PLD_TAIL_BOUND",

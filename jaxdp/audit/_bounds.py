@@ -31,7 +31,7 @@ from .. import _validate
 from .._numerics import f64, float64
 from ._host import DOWN, NEAREST, UP, on_host_when_x64_off
 
-__all__ = ["EpsilonLowerBound", "clopper_pearson", "epsilon_lower_bound"]
+__all__ = ["EmpiricalTradeoff", "EpsilonLowerBound", "clopper_pearson", "empirical_tradeoff", "epsilon_lower_bound"]
 
 # Bisection of the Beta quantile on [0, 1]: 100 halvings leave a bracket of 2^-100 ≈ 8e-31,
 # far below any rate estimated from at most ~1e9 runs (the smallest non-zero rate is 1e-9).
@@ -257,3 +257,81 @@ def _split_bound(scores_in, scores_out, delta, alpha):
     eps, tpr, fpr = _bounds_at(ev_in, ev_out, picked, delta, alpha / 4.0)
     i = jnp.argmax(eps)
     return EpsilonLowerBound(jnp.maximum(eps[i], 0.0), picked[i], tpr[i], fpr[i])
+
+
+class EmpiricalTradeoff(NamedTuple):
+    """Empirical (FPR, TPR) points of threshold tests, with Clopper–Pearson boxes.
+
+    Attributes:
+      threshold: the score thresholds ("canary in" when score ≥ threshold), shape ``(T,)``.
+      fpr, tpr: the observed rates at each threshold.
+      fpr_lower, fpr_upper, tpr_lower, tpr_upper: the boxes; all 4·T one-sided bounds hold
+        together with the stated confidence (Bonferroni).
+    """
+
+    threshold: jax.Array
+    fpr: jax.Array
+    tpr: jax.Array
+    fpr_lower: jax.Array
+    fpr_upper: jax.Array
+    tpr_lower: jax.Array
+    tpr_upper: jax.Array
+
+
+@on_host_when_x64_off(NEAREST, NEAREST, NEAREST, DOWN, UP, DOWN, UP)
+@float64
+def empirical_tradeoff(scores_in, scores_out, confidence=0.95, *, thresholds=None) -> EmpiricalTradeoff:
+    r"""The audit's points on the trade-off plane: each threshold test's (FPR, TPR) and its confidence box.
+
+    For the test "canary in when score ≥ t", :math:`\widehat{\mathrm{TPR}}(t)` and
+    :math:`\widehat{\mathrm{FPR}}(t)` are the fractions of runs with and without the canary
+    scoring at least t; the box is the product of one-sided Clopper–Pearson bounds, each
+    failing with probability (1 − c)/(4T), so all T boxes cover the true rates together
+    with probability at least c. A box lying wholly above a claimed trade-off curve
+    (:func:`~jaxdp.accounting.tradeoff`) refutes the claim at that confidence.
+
+    Args:
+      scores_in: shape ``(runs_in,)``, scores of runs with the canary (higher = "in").
+      scores_out: shape ``(runs_out,)``, scores of runs without it.
+      confidence: c in (0, 1).
+      thresholds: optional 1-D array of thresholds; default the out-scores' order
+        statistics at geometrically spaced tail counts (1, …, runs_out), which spread the
+        points evenly on a logarithmic FPR axis. (Chosen from the out-scores, the default
+        boxes are for display: use fixed ``thresholds`` for a test.)
+
+    Returns:
+      An :class:`EmpiricalTradeoff` of float64 arrays of shape ``(T,)``.
+
+    Examples:
+      >>> import jax
+      >>> k1, k2 = jax.random.split(jax.random.key(0))
+      >>> pts = empirical_tradeoff(1.0 + jax.random.normal(k1, (20000,)), jax.random.normal(k2, (20000,)),
+      ...                          thresholds=[1.0])
+      >>> bool(pts.tpr_lower[0] <= 0.5 <= pts.tpr_upper[0]), bool(pts.fpr_lower[0] <= 0.1587 <= pts.fpr_upper[0])
+      (True, True)
+    """
+    _validate.check_in_range("confidence", confidence, 0.0, 1.0, lo_open=True, hi_open=True)
+    scores_in, scores_out = f64(scores_in), f64(scores_out)
+    if scores_in.ndim != 1 or scores_out.ndim != 1 or scores_in.shape[0] < 1 or scores_out.shape[0] < 1:
+        raise ValueError(f"scores_in and scores_out must be non-empty 1-D arrays; got shapes {scores_in.shape}, "
+                         f"{scores_out.shape}.")
+    sorted_out = jnp.sort(scores_out)
+    if thresholds is None:
+        n = sorted_out.shape[0]
+        k = np.unique(np.round(np.geomspace(1, n, _NUM_CANDIDATES)).astype(np.int64))
+        t = sorted_out[n - k]
+    else:
+        t = jnp.atleast_1d(f64(thresholds))
+        if t.ndim != 1 or t.shape[0] == 0:
+            raise ValueError(f"thresholds must be a non-empty 1-D array; got shape {t.shape}.")
+    return _empirical_points(jnp.sort(scores_in), sorted_out, t, 1.0 - f64(confidence))
+
+
+@jax.jit
+def _empirical_points(sorted_in, sorted_out, t, alpha):
+    n_in, n_out = sorted_in.shape[-1], sorted_out.shape[-1]
+    tp, fp = _counts_at_or_above(sorted_in, t), _counts_at_or_above(sorted_out, t)
+    tail = alpha / (4 * t.shape[0])
+    tpr_lo, tpr_hi = _clopper_pearson(tp, n_in, tail)
+    fpr_lo, fpr_hi = _clopper_pearson(fp, n_out, tail)
+    return EmpiricalTradeoff(t, f64(fp) / n_out, f64(tp) / n_in, fpr_lo, fpr_hi, tpr_lo, tpr_hi)

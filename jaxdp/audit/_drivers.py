@@ -70,6 +70,10 @@ def _check_runs(runs) -> int:
     return int(runs)
 
 
+def _with_scores(result, s_in, s_out, return_scores):
+    return (result, s_in, s_out) if return_scores else result
+
+
 def _ratio(lower, claimed):
     lower, claimed = np.asarray(lower, np.float64), np.asarray(claimed, np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -132,7 +136,7 @@ def _claimed_gaussian(noise_multiplier, delta, q, num_steps):
 
 
 def audit_gaussian(noise_multiplier, delta, *, q=1.0, num_steps: int = 1, runs: int = 100_000,
-                   confidence=0.95, key=None) -> AuditResult:
+                   confidence=0.95, key=None, return_scores: bool = False):
     r"""Audit the (Poisson-sampled) Gaussian mechanism against jaxdp's ε.
 
     The claim is the exact ε of the Gaussian mechanism (:func:`~jaxdp.accounting.gaussian_mechanism_epsilon`
@@ -142,10 +146,11 @@ def audit_gaussian(noise_multiplier, delta, *, q=1.0, num_steps: int = 1, runs: 
 
     Args:
       noise_multiplier: σ > 0; delta: δ in (0, 1); q: sampling rate in (0, 1];
-      num_steps: T ≥ 1; runs: runs per side; confidence: c in (0, 1); key: secret key.
+      num_steps: T ≥ 1; runs: runs per side; confidence: c in (0, 1); key: secret key;
+      return_scores: also return the scores (for :func:`empirical_tradeoff`).
 
     Returns:
-      An :class:`AuditResult` (scalars).
+      An :class:`AuditResult` (scalars); with ``return_scores``, ``(result, scores_in, scores_out)``.
 
     Examples:
       >>> import jax
@@ -157,7 +162,8 @@ def audit_gaussian(noise_multiplier, delta, *, q=1.0, num_steps: int = 1, runs: 
     s_in, s_out = gaussian_scores(noise_multiplier, runs, q=q, num_steps=num_steps, key=key)
     lower = float(epsilon_lower_bound(s_in, s_out, delta, confidence).epsilon)
     claimed = _claimed_gaussian(float(noise_multiplier), float(delta), float(q), int(num_steps))
-    return AuditResult(np.float64(claimed), np.float64(lower), _ratio(lower, claimed)[()])
+    return _with_scores(AuditResult(np.float64(claimed), np.float64(lower), _ratio(lower, claimed)[()]), s_in, s_out,
+                        return_scores)
 
 
 # ---------------------------------------------------------------------------------------
@@ -165,8 +171,11 @@ def audit_gaussian(noise_multiplier, delta, *, q=1.0, num_steps: int = 1, runs: 
 # ---------------------------------------------------------------------------------------
 
 
+PNSGD_ATTACKS = ("zero", "boundary", "nonconvex")
+
+
 def pnsgd_scores(positions, num_records: int, learning_rate, noise_multiplier, clip_norm, radius, runs: int, *,
-                 key=None):
+                 attack: str = "zero", key=None):
     r"""Final iterates of 1-D PNSGD runs with a canary record at each position (and its neighbour).
 
     The loss is linear, :math:`\ell(θ, x) = -xθ` with :math:`|x| \le C` (convex,
@@ -176,10 +185,36 @@ def pnsgd_scores(positions, num_records: int, learning_rate, noise_multiplier, c
     θ₀ = 0): :math:`θ ← Π_{[-R, R]}(θ − η(g + Z))`, :math:`Z \sim N(0, (2Cν)^2)`. Only the
     last iterate :math:`θ_n` is released; it is the score (the canary pushes it up).
 
+    ``attack`` chooses the other records (the hidden-state adversary crafts their
+    gradients too, within the analysis' assumptions: linear losses are convex,
+    C-Lipschitz and β-smooth for every β):
+
+    * ``"zero"``: every other record is x = 0 (gradient 0): the iterate diffuses from 0;
+    * ``"boundary"``: every other record is x = +C, whose gradient −C drives the iterate
+      into the boundary +R, where the projection pins it. With the canary (x = +C) the
+      run stays pinned, a nearly deterministic output; its neighbour (x = −C) pushes the
+      iterate off the boundary once, and the later records cannot quite bring it back.
+      Pinning defeats the noise the hidden iterates accumulate. (Cebere, Bellet & Papernot
+      2025 let the adversary craft the canary's gradient at every step; here it also
+      chooses the other records' linear losses. Of pushes +C, 0 and −C before and after
+      the canary, this one audited highest on the settings of `jaxdp audit`, 10⁵ runs.)
+    * ``"nonconvex"`` (outside the analysis: it shows why jaxdp refuses hidden-state
+      accounting for non-convex losses): the records *after* the canary have the concave
+      Huber loss :math:`\ell(θ) = -C\,h_{ηC}(θ - c)` (C-Lipschitz, 1/η-smooth), whose
+      step doubles the distance to the centre c in its quadratic zone and pushes away by
+      ηC outside it, so the last iterate keeps the side of c the canary's step left it on
+      (Annamalai 2024 builds such losses). The centre
+      :math:`c = ηC(8ν - 1)` is four noise standard deviations above the mean of the
+      canary's step without the canary (its step starts from 0, at position 1): the test
+      "θ_n above c" then reads the canary step's far tail, where composition is tight. The
+      radius must exceed c for the iterate to stay on its side. Records before the canary
+      are x = 0.
+
     Args:
       positions: 1-based positions in 1..n (a sequence of ints).
       num_records: n ≥ 1; learning_rate: η > 0; noise_multiplier: ν > 0 (relative to 2C);
-      clip_norm: C > 0; radius: R > 0; runs: runs per side and position; key: secret key.
+      clip_norm: C > 0; radius: R > 0; runs: runs per side and position;
+      attack: ``"zero"`` (default), ``"boundary"`` or ``"nonconvex"`` (static); key: secret key.
 
     Returns:
       ``(scores_in, scores_out)`` of shape ``(len(positions), runs)``, float32 (the
@@ -197,8 +232,12 @@ def pnsgd_scores(positions, num_records: int, learning_rate, noise_multiplier, c
     pos = np.atleast_1d(np.asarray(positions))
     _validate.check_integer("num_records", num_records)
     _validate.check_positions(pos, num_records)
+    _validate.check_static_choice("attack", attack, PNSGD_ATTACKS)
     n = int(num_records)
     eta, nu, c, r = float(learning_rate), float(noise_multiplier), float(clip_norm), float(radius)
+    before = c if attack == "boundary" else 0.0  # the records before the canary
+    after = c if attack == "boundary" else 0.0  # and after it (the non-convex attack: below)
+    centre = eta * c * (8.0 * nu - 1.0)  # the non-convex attack's centre (see the docstring)
     T.pnsgd(eta, nu, c, r, jax.random.key(0))  # validates the run's parameters (this key draws nothing)
 
     def one_run(key, position, sign):
@@ -207,8 +246,11 @@ def pnsgd_scores(positions, num_records: int, learning_rate, noise_multiplier, c
 
         def step(carry, t):
             theta, state = carry
-            x = jnp.where(t == position - 1, sign * c, 0.0)
+            x = jnp.where(t == position - 1, sign * c, jnp.where(t < position - 1, before, after))
             grad = jnp.full((1,), -x, jnp.float32)  # gradient of -x·θ; batch of one: the average
+            if attack == "nonconvex":  # after the canary: -C·clip((θ - c)/(ηC), -1, 1)
+                push = -c * jnp.clip((theta - centre) / (eta * c), -1.0, 1.0)
+                grad = jnp.where(t > position - 1, push, grad).astype(jnp.float32)
             updates, state = tx.update(grad, state, theta)
             return (theta + updates, state), None
 
@@ -224,7 +266,7 @@ def pnsgd_scores(positions, num_records: int, learning_rate, noise_multiplier, c
 
 
 def audit_pnsgd(positions, num_records: int, learning_rate, noise_multiplier, clip_norm, radius, delta, *,
-                runs: int = 20_000, confidence=0.95, key=None) -> AuditResult:
+                runs: int = 20_000, confidence=0.95, attack: str = "zero", key=None, return_scores: bool = False):
     r"""Audit jaxdp's per-position ε of PNSGD (hidden iterates) with the runs of :func:`pnsgd_scores`.
 
     The claim at each position is :func:`~jaxdp.accounting.pnsgd_record_epsilon` of
@@ -234,7 +276,9 @@ def audit_pnsgd(positions, num_records: int, learning_rate, noise_multiplier, cl
     grow with the position.
 
     Returns:
-      An :class:`AuditResult` of arrays of shape ``(len(positions),)``.
+      An :class:`AuditResult` of arrays of shape ``(len(positions),)``; with
+      ``return_scores``, ``(result, scores_in, scores_out)`` (scores of shape
+      ``(len(positions), runs)``).
 
     Examples:
       >>> import jax
@@ -249,7 +293,7 @@ def audit_pnsgd(positions, num_records: int, learning_rate, noise_multiplier, cl
 
     _validate.check_delta(delta)
     s_in, s_out = pnsgd_scores(positions, num_records, learning_rate, noise_multiplier, clip_norm, radius, runs,
-                               key=key)
+                               attack=attack, key=key)
     lower = np.array([float(epsilon_lower_bound(a, b, delta, confidence).epsilon) for a, b in zip(s_in, s_out)])
     eta, c = float(learning_rate), float(clip_norm)
     event = A.PNSGD(lipschitz=c, smoothness=1.0 / eta, learning_rate=eta,
@@ -257,7 +301,7 @@ def audit_pnsgd(positions, num_records: int, learning_rate, noise_multiplier, cl
                     num_records=int(num_records))
     per_record = np.asarray(A.pnsgd_record_epsilon(event, delta), np.float64)
     claimed = per_record[np.atleast_1d(np.asarray(positions)) - 1]
-    return AuditResult(claimed, lower, _ratio(lower, claimed))
+    return _with_scores(AuditResult(claimed, lower, _ratio(lower, claimed)), s_in, s_out, return_scores)
 
 
 # ---------------------------------------------------------------------------------------
@@ -265,7 +309,7 @@ def audit_pnsgd(positions, num_records: int, learning_rate, noise_multiplier, cl
 # ---------------------------------------------------------------------------------------
 
 
-def _dpsgd_run(key, q, noise_multiplier, clip_norm, num_steps, included, learning_rate):
+def _dpsgd_run(key, q, noise_multiplier, clip_norm, num_steps, included, learning_rate, canary_steps=None):
     """Final model update of DP-SGD (``jaxdp.training.dpsgd``) with Dirac gradient canaries.
 
     ``included`` (shape (d,)) marks the canaries present; canary i's clipped gradient is
@@ -279,18 +323,34 @@ def _dpsgd_run(key, q, noise_multiplier, clip_norm, num_steps, included, learnin
     tx = T.dpsgd(learning_rate, noise_multiplier, clip_norm, 1.0, k_noise)
     theta0 = jnp.zeros((d,), jnp.float32)
 
-    def step(carry, k):
+    # The canary's gradient enters only at the chosen steps (all by default).
+    at = np.zeros(num_steps, bool)
+    at[list(canary_steps) if canary_steps is not None else slice(None)] = True
+
+    def step(carry, xs):
+        k, present = xs
         theta, state = carry
-        sampled = jax.random.bernoulli(k, q, (d,)) & included
+        sampled = jax.random.bernoulli(k, q, (d,)) & included & present
         grad_sum = clip_norm * sampled.astype(jnp.float32)
         updates, state = tx.update(grad_sum, state, theta)
         return (theta + updates, state), None
 
-    (theta, _), _ = jax.lax.scan(step, (theta0, tx.init(theta0)), jax.random.split(k_sample, num_steps))
+    (theta, _), _ = jax.lax.scan(step, (theta0, tx.init(theta0)), (jax.random.split(k_sample, num_steps),
+                                                                   jnp.asarray(at)))
     return -(theta - theta0) / learning_rate  # the score: the canary direction of the update, up to a scale
 
 
-def dpsgd_scores(q, noise_multiplier, num_steps: int, runs: int, *, clip_norm=1.0, key=None):
+def _check_canary_steps(canary_steps, num_steps) -> tuple | None:
+    if canary_steps is None:
+        return None
+    steps = tuple(int(s) for s in np.atleast_1d(np.asarray(canary_steps)))
+    if not steps or any(not 0 <= s < int(num_steps) for s in steps):
+        raise ValueError(f"canary_steps must be a non-empty sequence of step indices in [0, num_steps - 1] = "
+                         f"[0, {int(num_steps) - 1}]; got {canary_steps!r}.")
+    return steps
+
+
+def dpsgd_scores(q, noise_multiplier, num_steps: int, runs: int, *, clip_norm=1.0, canary_steps=None, key=None):
     r"""Scores of ``runs`` DP-SGD runs with and without one Dirac gradient canary.
 
     Each run is ``num_steps`` steps of ``jaxdp.training.dpsgd`` on a model whose first
@@ -298,6 +358,11 @@ def dpsgd_scores(q, noise_multiplier, num_steps: int, runs: int, *, clip_norm=1.
     probability q (Poisson sampling), the noise is N(0, ν²C²) per coordinate. The score is
     the first coordinate of −(θ_T − θ₀)/η (the dot product of the final update with the
     canary direction).
+
+    ``canary_steps`` (0-based step indices, static) inserts the canary's gradient at those
+    steps only (Cebere, Bellet & Papernot 2025: a canary gradient at every step, the
+    default, is their strongest hidden-state attack on DP-SGD; at chosen steps, e.g. the
+    last, it measures what the hidden intermediate models hide).
 
     Returns:
       ``(scores_in, scores_out)``, float32 arrays of shape ``(runs,)``.
@@ -307,20 +372,22 @@ def dpsgd_scores(q, noise_multiplier, num_steps: int, runs: int, *, clip_norm=1.
     _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("clip_norm", clip_norm, 0.0, math.inf, lo_open=True)
     _validate.check_integer("num_steps", num_steps)
+    steps = _check_canary_steps(canary_steps, num_steps)
     k_in, k_out = jax.random.split(_key(key))
     fn = jax.jit(jax.vmap(lambda k, inc: _dpsgd_run(k, float(q), float(noise_multiplier), float(clip_norm),
-                                                     int(num_steps), inc, 1.0)[0], in_axes=(0, None)))
+                                                     int(num_steps), inc, 1.0, steps)[0], in_axes=(0, None)))
     s_in = fn(jax.random.split(k_in, runs), jnp.ones((1,), bool))
     s_out = fn(jax.random.split(k_out, runs), jnp.zeros((1,), bool))
     return s_in, s_out
 
 
 def audit_dpsgd(q, noise_multiplier, num_steps: int, delta, *, runs: int = 20_000, confidence=0.95,
-                clip_norm=1.0, key=None) -> AuditResult:
+                clip_norm=1.0, canary_steps=None, key=None, return_scores: bool = False):
     """Audit ``dpsgd_epsilon(q, ν, T, δ)`` with the many-run gradient-canary experiment of :func:`dpsgd_scores`.
 
     Only the final model is used, so the bound is typically well below the claim (which
-    holds even when every intermediate model is released).
+    holds even when every intermediate model is released). With ``return_scores`` it
+    returns ``(result, scores_in, scores_out)``.
 
     Examples:
       >>> import jax
@@ -329,10 +396,12 @@ def audit_dpsgd(q, noise_multiplier, num_steps: int, delta, *, runs: int = 20_00
       True
     """
     _validate.check_delta(delta)
-    s_in, s_out = dpsgd_scores(q, noise_multiplier, num_steps, runs, clip_norm=clip_norm, key=key)
+    s_in, s_out = dpsgd_scores(q, noise_multiplier, num_steps, runs, clip_norm=clip_norm, canary_steps=canary_steps,
+                               key=key)
     lower = float(epsilon_lower_bound(s_in, s_out, delta, confidence).epsilon)
     claimed = float(A.dpsgd_epsilon(q, noise_multiplier, num_steps, delta))
-    return AuditResult(np.float64(claimed), np.float64(lower), _ratio(lower, claimed)[()])
+    return _with_scores(AuditResult(np.float64(claimed), np.float64(lower), _ratio(lower, claimed)[()]), s_in, s_out,
+                        return_scores)
 
 
 def dpsgd_one_run_scores(q, noise_multiplier, num_steps: int, num_canaries: int, *, clip_norm=1.0, key=None):

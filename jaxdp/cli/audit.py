@@ -2,7 +2,10 @@
 
 For each setting it prints the claimed ε (the accountant's upper bound), the audit's lower
 bound (valid with ``--confidence``) and their ratio, writes ``audit.csv`` and then, last,
-the plot ``audit.png`` (a failed plot never loses the results). The randomness is the
+the plot ``audit.png``: the claimed and empirical ε per setting, and for every many-run setting
+its claimed trade-off curve (:func:`jaxdp.accounting.tradeoff`) with the threshold tests'
+(FPR, TPR) points and their Clopper–Pearson boxes (:func:`jaxdp.audit.empirical_tradeoff`)
+on the same axes (a failed plot never loses the results). The randomness is the
 simulation's own (no real data is involved); ``--seed`` makes a run reproducible.
 """
 
@@ -13,7 +16,7 @@ import sys
 
 from ._common import SEED_RANGE, UsageError, check_out_dir, emit, fmt, number
 
-SETTINGS = ("gaussian", "sampled_gaussian", "pnsgd", "dpsgd", "dpsgd_one_run")
+SETTINGS = ("gaussian", "sampled_gaussian", "pnsgd", "pnsgd_boundary", "dpsgd", "dpsgd_one_run")
 # The runs of a setting are vmapped at once: memory grows linearly with --runs. Bounds checked
 # before any work (found by fuzzing: --runs 10^11 ran XLA out of memory).
 MAX_RUNS = 10**6  # measured: ~0.55 kB per run (643 MB peak at 2e4 runs, 743 MB at 2e5, all settings)
@@ -73,22 +76,33 @@ def run(args) -> int:
         keys = dict(zip(SETTINGS, jax.random.split(jax.random.key(args.seed), len(SETTINGS))))
     d, c, runs = args.delta, args.confidence, args.runs
     rows = []  # (setting, parameters, claimed, lower, ratio)
+    curves = []  # (title, claimed trade-off curve (event, accountant), scores_in, scores_out)
     for name in picked:
         k = keys[name]
         if name == "gaussian":
-            r = audit.audit_gaussian(1.0, d, runs=runs, confidence=c, key=k)
+            r, s_in, s_out = audit.audit_gaussian(1.0, d, runs=runs, confidence=c, key=k, return_scores=True)
             rows.append((name, "noise_multiplier=1", r))
+            curves.append(("gaussian, noise_multiplier=1", (_A().Gaussian(1.0), "gdp"), s_in, s_out))
         elif name == "sampled_gaussian":
-            r = audit.audit_gaussian(1.0, d, q=0.5, num_steps=4, runs=runs, confidence=c, key=k)
+            r, s_in, s_out = audit.audit_gaussian(1.0, d, q=0.5, num_steps=4, runs=runs, confidence=c, key=k,
+                                                  return_scores=True)
             rows.append((name, "q=0.5 noise_multiplier=1 num_steps=4", r))
-        elif name == "pnsgd":
-            r = audit.audit_pnsgd([1, 3, 6], 6, 0.5, 0.5, 1.0, 1.0, d, runs=runs, confidence=c, key=k)
+            curves.append(("sampled_gaussian, q=0.5, 4 steps", (_A().dpsgd_event(0.5, 1.0, 4), "pld"), s_in, s_out))
+        elif name in ("pnsgd", "pnsgd_boundary"):
+            # "pnsgd_boundary": the other records drive the iterate into the boundary +R
+            # (crafted gradients, hidden-state threat model); "pnsgd": they are zero.
+            attack = "boundary" if name == "pnsgd_boundary" else "zero"
+            r, s_in, s_out = audit.audit_pnsgd([1, 3, 6], 6, 0.5, 0.5, 1.0, 1.0, d, runs=runs, confidence=c, key=k,
+                                               attack=attack, return_scores=True)
             for i, pos in enumerate((1, 3, 6)):
                 rows.append((name, f"position={pos} of 6 learning_rate=0.5 noise_multiplier=0.5 radius=1",
                              audit.AuditResult(r.claimed_epsilon[i], r.lower_bound[i], r.ratio[i])))
+                curves.append((f"{name}, position {pos} of 6", (_pnsgd_record_gaussian(pos), "gdp"), s_in[i],
+                               s_out[i]))
         elif name == "dpsgd":
-            r = audit.audit_dpsgd(0.5, 1.0, 4, d, runs=runs, confidence=c, key=k)
+            r, s_in, s_out = audit.audit_dpsgd(0.5, 1.0, 4, d, runs=runs, confidence=c, key=k, return_scores=True)
             rows.append((name, "q=0.5 noise_multiplier=1 num_steps=4 (final model only)", r))
+            curves.append(("dpsgd, q=0.5, 4 steps, final model", (_A().dpsgd_event(0.5, 1.0, 4), "pld"), s_in, s_out))
         else:
             r = audit.audit_dpsgd_one_run(1.0, 1.0, 1, d, num_canaries=args.num_canaries, confidence=c, key=k)
             rows.append((name, f"q=1 noise_multiplier=1 num_steps=1 canaries={args.num_canaries}", r))
@@ -115,7 +129,7 @@ def run(args) -> int:
                    results=[dict(setting=n, parameters=p, claimed_epsilon=float(r.claimed_epsilon),
                                  lower_bound=float(r.lower_bound), ratio=float(r.ratio)) for n, p, r in rows])
     try:  # the plot is optional and comes last: its failure must not lose the results
-        _plot(png_path, rows, d, c)
+        _plot(png_path, rows, curves, d, c)
         plot_error = None
         lines.append(f"wrote {png_path}")
         payload["png"] = png_path
@@ -129,22 +143,68 @@ def run(args) -> int:
     return 0
 
 
-def _plot(path, rows, delta, confidence) -> None:
+def _A():
+    from .. import accounting
+
+    return accounting
+
+
+def _pnsgd_record_gaussian(position: int):
+    """The pnsgd setting's record at ``position`` as the Gaussian mechanism of its shifted-interpolation μ."""
+    from ..training import pnsgd_noise_std
+
+    mu = float(_A().pnsgd_shifted_gdp(position, 6, 1.0, pnsgd_noise_std(0.5, 1.0, 1), 0.5, 2.0, smoothness=2.0))
+    return _A().Gaussian(1.0 / mu)
+
+
+# Trade-off curves are drawn on a log FPR axis from 1e-6 (below any rate 10^6 runs resolve) to 1.
+_CURVE_FPR = (-6.0, 0.0, 121)
+
+
+def _plot(path, rows, curves, delta, confidence) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.patches import Rectangle
 
-    labels = [n if not p.startswith("position") else f"pnsgd {p.split()[0]}" for n, p, _ in rows]
+    from .. import audit
+
+    labels = [n if not p.startswith("position") else f"{n} {p.split()[0]}" for n, p, _ in rows]
     claimed = np.array([float(r.claimed_epsilon) for _, _, r in rows])
     lower = np.array([float(r.lower_bound) for _, _, r in rows])
     x = np.arange(len(rows))
-    fig, ax = plt.subplots(figsize=(1.3 * len(rows) + 2.5, 3.8), constrained_layout=True)
+    ncols = min(4, 1 + len(curves))
+    nrows = -(-(1 + len(curves)) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.8 * nrows), constrained_layout=True, squeeze=False)
+    ax = axes.flat[0]
     ax.bar(x - 0.2, claimed, 0.4, label="claimed epsilon (accountant, upper bound)")
     ax.bar(x + 0.2, lower, 0.4, label=f"empirical lower bound ({confidence:g} confidence)")
     ax.set_xticks(x, labels, rotation=30, ha="right")
     ax.set_ylabel(f"epsilon at delta = {delta:g}")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
+    fpr = np.logspace(*_CURVE_FPR)
+    for ax, (title, (event, accountant), s_in, s_out) in zip(axes.flat[1:], curves):
+        # The claimed curve: no test's TPR lies above it at any FPR (both orders of the pair).
+        tpr = np.asarray(_A().tradeoff(event, fpr, accountant=accountant), np.float64)
+        ax.plot(fpr, tpr, color="C0", label=f"claimed trade-off ({accountant})")
+        pts = audit.empirical_tradeoff(s_in, s_out, confidence)
+        f_lo, f_hi = np.asarray(pts.fpr_lower), np.asarray(pts.fpr_upper)
+        t_lo, t_hi = np.asarray(pts.tpr_lower), np.asarray(pts.tpr_upper)
+        for a0, a1, b0, b1 in zip(f_lo, f_hi, t_lo, t_hi):
+            ax.add_patch(Rectangle((max(a0, 10**_CURVE_FPR[0]), b0), a1 - max(a0, 10**_CURVE_FPR[0]), b1 - b0,
+                                   fill=False, edgecolor="C1", linewidth=0.6, alpha=0.7))
+        ax.plot(np.maximum(np.asarray(pts.fpr), 10**_CURVE_FPR[0]), np.asarray(pts.tpr), ".", color="C1", ms=3,
+                label=f"threshold tests ({confidence:g} boxes)")
+        ax.set_xscale("log")
+        ax.set_xlim(10**_CURVE_FPR[0], 1.0)
+        ax.set_ylim(0.0, 1.0)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("false-positive rate")
+        ax.set_ylabel("true-positive rate")
+        ax.legend(fontsize=7, loc="upper left")
+    for ax in axes.flat[1 + len(curves):]:
+        ax.axis("off")
     fig.savefig(path, dpi=110)
     plt.close(fig)

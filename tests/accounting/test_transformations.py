@@ -131,6 +131,9 @@ CASES.update({
     "rdp": (lambda x: A.rdp(A.SelfComposed(A.PoissonSampled(0.02, A.Gaussian(x)), 10), ORD)[-1], 1.3),
     "pnsgd_record_epsilon": (lambda x: A.pnsgd_record_epsilon(_pnsgd_event(x), 1e-5, orders=ORD)[-1], 1.3),
     "laplace_rdp": (lambda x: A.laplace_rdp(ORD, x)[-1], 1.3),
+    # Trade-off curves (the RDP conversion: a bisection with its implicit derivative) and μ.
+    "tradeoff": (lambda x: A.tradeoff(A.Gaussian(x), 0.05, orders=ORD), 1.3),
+    "gdp_mu": (lambda x: A.gdp_mu(_pnsgd_event(x)), 1.3),
     # Classic mechanisms and theorems.
     "calibrate_laplace_scale": (lambda x: A.calibrate_laplace_scale(x, 1.0), 1.3),
     "gaussian_mechanism_delta": (lambda x: A.gaussian_mechanism_delta(1.0, x), 1.3),

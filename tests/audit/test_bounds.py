@@ -92,3 +92,24 @@ def test_epsilon_lower_bound_validates():
         audit.epsilon_lower_bound(np.zeros((2, 2)), np.zeros(4), 1e-5)
     with pytest.raises(ValueError, match="successes"):
         audit.clopper_pearson(5, 4)
+
+
+def test_empirical_tradeoff_boxes_cover_the_true_rates_and_lie_under_the_curve():
+    # Gaussian mechanism μ = 1: at threshold t the exact rates are FPR = Φ(-t), TPR = Φ(1 - t).
+    import jaxdp
+
+    from scipy.stats import norm
+
+    k1, k2 = jax.random.split(jax.random.key(3))
+    s_in = 1.0 + jax.random.normal(k1, (20000,))
+    s_out = jax.random.normal(k2, (20000,))
+    t = np.linspace(-1.0, 3.5, 10)
+    pts = jaxdp.audit.empirical_tradeoff(s_in, s_out, 0.95, thresholds=t)
+    assert np.all((pts.fpr_lower <= norm.sf(t)) & (norm.sf(t) <= pts.fpr_upper))
+    assert np.all((pts.tpr_lower <= norm.sf(t - 1)) & (norm.sf(t - 1) <= pts.tpr_upper))
+    np.testing.assert_allclose(pts.fpr, np.mean(np.asarray(s_out)[:, None] >= t, axis=0))
+    # The box's lower-right corner never lies above the claimed (exact) curve.
+    curve = np.asarray(jaxdp.accounting.tradeoff(jaxdp.accounting.Gaussian(1.0), pts.fpr_upper, accountant="gdp"))
+    assert np.all(pts.tpr_lower <= curve)
+    default = jaxdp.audit.empirical_tradeoff(s_in, s_out)
+    assert default.fpr.shape == default.tpr_upper.shape and float(default.fpr.min()) == pytest.approx(1 / 20000)
