@@ -83,8 +83,8 @@ from ._pld import PLD_TAIL_BOUND as PLD_TAIL_BOUND
 from ._pld import PLDBracket as PLDBracket
 from ._pld import pld_bracket as pld_bracket
 from ._pnsgd import PNSGDPrivacy as PNSGDPrivacy
-from ._pnsgd import calibrate_pnsgd_noise_std as calibrate_pnsgd_noise_std
 from ._pnsgd import pnsgd_privacy as pnsgd_privacy
+from ._pnsgd_calibrate import calibrate_pnsgd_noise_std as calibrate_pnsgd_noise_std
 from ._rdp import DEFAULT_ORDERS as DEFAULT_ORDERS
 from ._rdp import gaussian_rdp as gaussian_rdp
 from ._rdp import heterogeneous_rdp as heterogeneous_rdp
