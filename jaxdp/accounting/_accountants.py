@@ -96,7 +96,9 @@ def _check_pnsgd_support(ev: PNSGD, path: str) -> None:
                 "every iterate reveals the stopping time)."
             )
         if ev.passes != 1:
-            raise ValueError(f"{path}: the random-stop PNSGD analyses cover one pass (passes=1); got passes={ev.passes}.")
+            raise ValueError(
+                f"{path}: the random-stop PNSGD analyses cover one pass (passes=1); got passes={ev.passes}."
+            )
 
 
 def _rdp_compose(event: Event, orders: np.ndarray, path: str = "event", compose: bool = True):

@@ -348,7 +348,8 @@ def pnsgd_privacy(
 
 _OLD_SIGNATURE = ("pnsgd_privacy(lipschitz=..., ..., delta=...) is deprecated: pass the run's record, "
                   "pnsgd_privacy(PNSGD(lipschitz, smoothness, learning_rate, noise_std, diameter, num_records=n, "
-                  "strong_convexity=..., batch_size=..., passes=...), delta); the keyword form goes in the next release.")
+                  "strong_convexity=..., batch_size=..., passes=...), delta); the keyword form goes in the next "
+                  "release.")
 # The caller's frame: warn_old_signature <- pnsgd_privacy <- float64's wrapper <- caller.
 _WARN_LEVEL = 4
 

@@ -203,9 +203,10 @@ def calibrate_pnsgd_noise_std(
                             positions=positions, analysis=analysis, strongly_convex_form=strongly_convex_form)
 
 
-_OLD_SIGNATURE = ("calibrate_pnsgd_noise_std(epsilon, delta, lipschitz=..., ...) is deprecated: pass the run's record, "
-                  "calibrate_pnsgd_noise_std(epsilon, delta, PNSGD(lipschitz, smoothness, learning_rate, 1.0, diameter, "
-                  "num_records=n, ...)) (its noise_std is not read); the keyword form goes in the next release.")
+_OLD_SIGNATURE = ("calibrate_pnsgd_noise_std(epsilon, delta, lipschitz=..., ...) is deprecated: pass the run's "
+                  "record, calibrate_pnsgd_noise_std(epsilon, delta, PNSGD(lipschitz, smoothness, learning_rate, 1.0, "
+                  "diameter, num_records=n, ...)) (its noise_std is not read); the keyword form goes in the next "
+                  "release.")
 _WARN_LEVEL = 4  # warn_old_signature <- calibrate_pnsgd_noise_std <- float64's wrapper <- caller
 
 

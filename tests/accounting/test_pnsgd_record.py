@@ -25,7 +25,8 @@ def _event(**kw):
     return A.PNSGD(RUN["lipschitz"], RUN["smoothness"], RUN["learning_rate"], RUN["noise_std"], RUN["diameter"], **kw)
 
 
-@pytest.mark.parametrize("kw", [dict(num_records=40), dict(num_records=30, batch_size=4, passes=2, strong_convexity=0.2)])
+@pytest.mark.parametrize("kw", [dict(num_records=40),
+                                dict(num_records=30, batch_size=4, passes=2, strong_convexity=0.2)])
 def test_record_and_loose_doors_agree_and_the_loose_one_warns(kw):
     new = A.pnsgd_privacy(_event(**kw), DELTA)
     with pytest.warns(DeprecationWarning, match=r"pnsgd_privacy\(PNSGD\("):
