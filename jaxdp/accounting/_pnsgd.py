@@ -231,7 +231,7 @@ def _shifted_mu(pos, n, lip, beta, rho, eta, sig, dia, b, k, ok):
 
 @float64
 def pnsgd_privacy(
-    run: PNSGD | None = None,
+    event: PNSGD | None = None,
     delta=None,
     *,
     positions=None,
@@ -265,12 +265,12 @@ def pnsgd_privacy(
       run (the composition one too, by post-processing), so their minimum is valid.
 
     The run is given by its record, the :class:`~jaxdp.accounting.PNSGD` event (L, β, η, σ,
-    D, ρ, n, b, k, schedule, hidden): ``epsilon(run, delta)`` is the worst record's ``best``
-    and ``pnsgd_record_epsilon(run, delta)`` the per-record ``best`` (docs/events.md).
-    ``run.hidden=False`` (every iterate released): only ``composition`` holds; the other
+    D, ρ, n, b, k, schedule, hidden): ``epsilon(event, delta)`` is the worst record's ``best``
+    and ``pnsgd_record_epsilon(event, delta)`` the per-record ``best`` (docs/events.md).
+    ``event.hidden=False`` (every iterate released): only ``composition`` holds; the other
     analyses are +inf and ``best`` is ``composition``.
 
-    ``run.schedule="random_stop"`` (one pass, stopped after a secret uniform number of
+    ``event.schedule="random_stop"`` (one pass, stopped after a secret uniform number of
     steps :math:`T \in \{1..m\}`, :math:`m = \lceil n/b\rceil` batches, only :math:`Y_T`
     released): batches are the steps, and step j's averaged gradient has sensitivity
     :math:`2L/b_j`, so each random-stop analysis (stated for b = 1) applies with Lipschitz
@@ -300,7 +300,7 @@ def pnsgd_privacy(
     final iterate is released; the order of the records is fixed in advance.
 
     Args:
-      run: the run's record, a :class:`~jaxdp.accounting.PNSGD` event: L ≥ 0, β > 0, η with
+      event: the run's record, a :class:`~jaxdp.accounting.PNSGD` event: L ≥ 0, β > 0, η with
         0 < η ≤ 2/(β + ρ) (see :func:`step_contraction`), σ > 0 the noise standard
         deviation on the averaged gradient, D > 0, ρ in [0, β], n ≥ 1 records, batch size
         b ≥ 1, k ≥ 1 passes (one with random stopping), ``schedule`` and ``hidden``. The
@@ -332,18 +332,19 @@ def pnsgd_privacy(
       >>> bool(out.composition[0] == out.composition[39])
       True
     """
-    if not isinstance(run, PNSGD):
-        if run is None and old_keywords:
+    if not isinstance(event, PNSGD):
+        if event is None and old_keywords:
             warn_old_signature(_OLD_SIGNATURE, stacklevel=_WARN_LEVEL)
             return _loose_privacy(**old_keywords, delta=delta, positions=positions,
                                   strongly_convex_form=strongly_convex_form)
-        raise TypeError(f"pnsgd_privacy(run, delta) takes the run's record, a PNSGD event; got {type(run).__name__}.")
+        raise TypeError("pnsgd_privacy(event, delta) takes the run's record, a PNSGD event; got "
+                        f"{type(event).__name__}.")
     if old_keywords:
-        raise TypeError(f"pnsgd_privacy(run, delta): the run's constants come from the record; got also "
+        raise TypeError(f"pnsgd_privacy(event, delta): the run's constants come from the record; got also "
                         f"{', '.join(sorted(old_keywords))}.")
     if delta is None:
-        raise TypeError("pnsgd_privacy(run, delta): delta is missing.")
-    return run_privacy(run, delta, positions=positions, strongly_convex_form=strongly_convex_form, orders=orders)
+        raise TypeError("pnsgd_privacy(event, delta): delta is missing.")
+    return run_privacy(event, delta, positions=positions, strongly_convex_form=strongly_convex_form, orders=orders)
 
 
 _OLD_SIGNATURE = ("pnsgd_privacy(lipschitz=..., ..., delta=...) is deprecated: pass the run's record, "
@@ -354,18 +355,18 @@ _OLD_SIGNATURE = ("pnsgd_privacy(lipschitz=..., ..., delta=...) is deprecated: p
 _WARN_LEVEL = 4
 
 
-def run_privacy(run: PNSGD, delta, *, positions=None, strongly_convex_form: str = "proposition1",
+def run_privacy(event: PNSGD, delta, *, positions=None, strongly_convex_form: str = "proposition1",
                 orders=DEFAULT_ORDERS) -> PNSGDPrivacy:
     """:func:`pnsgd_privacy` of a record (no deprecation door; the accountants call this)."""
-    if run.relation != "replace_one":
-        raise ValueError(f"the PNSGD analyses cover relation 'replace_one' only; got relation {run.relation!r}.")
-    if run.schedule == "random_stop":
-        return _stop_privacy(run, delta, positions, orders)
-    out = _loose_privacy(lipschitz=run.lipschitz, smoothness=run.smoothness, learning_rate=run.learning_rate,
-                         noise_std=run.noise_std, diameter=run.diameter, num_records=run.num_records, delta=delta,
-                         strong_convexity=run.strong_convexity, batch_size=run.batch_size, passes=run.passes,
+    if event.relation != "replace_one":
+        raise ValueError(f"the PNSGD analyses cover relation 'replace_one' only; got relation {event.relation!r}.")
+    if event.schedule == "random_stop":
+        return _stop_privacy(event, delta, positions, orders)
+    out = _loose_privacy(lipschitz=event.lipschitz, smoothness=event.smoothness, learning_rate=event.learning_rate,
+                         noise_std=event.noise_std, diameter=event.diameter, num_records=event.num_records, delta=delta,
+                         strong_convexity=event.strong_convexity, batch_size=event.batch_size, passes=event.passes,
                          positions=positions, strongly_convex_form=strongly_convex_form)
-    if run.hidden:
+    if event.hidden:
         return out
     comp = out.composition
     none = jnp.where(jnp.isnan(comp), jnp.nan, jnp.inf)  # not certified when every iterate is released
@@ -378,14 +379,14 @@ def stop_geometry(num_records: int, batch_size: int) -> tuple[int, int]:
     return m, min(int(batch_size), int(num_records) - (m - 1) * int(batch_size))
 
 
-def _stop_privacy(run: PNSGD, delta, positions, orders) -> PNSGDPrivacy:
+def _stop_privacy(event: PNSGD, delta, positions, orders) -> PNSGDPrivacy:
     """The random-stop analyses per record (see :func:`pnsgd_privacy`), batches as steps."""
-    if run.passes != 1:
-        raise ValueError(f"random stopping covers one pass (passes=1); got passes={run.passes}.")
-    if not run.hidden:
+    if event.passes != 1:
+        raise ValueError(f"random stopping covers one pass (passes=1); got passes={event.passes}.")
+    if not event.hidden:
         raise ValueError("random stopping with hidden=False is not supported: releasing every iterate reveals the "
                          "stopping time.")
-    n, b = run.num_records, run.batch_size
+    n, b = event.num_records, event.batch_size
     m, b_min = stop_geometry(n, b)
     orders = _validate.concrete_orders(orders)
     if positions is None:
@@ -395,17 +396,17 @@ def _stop_privacy(run: PNSGD, delta, positions, orders) -> PNSGDPrivacy:
         check_positions(positions, n)
         pos = f64(positions)
         batches, take = jnp.ceil(pos / b), None
-    lip = f64(run.lipschitz) / b_min
-    m_c = step_contraction(run.learning_rate, run.smoothness, run.strong_convexity)
-    thm5 = stop_pnsgd_contraction_epsilon(delta, m, lip, run.noise_std, run.learning_rate, run.diameter, m_c,
+    lip = f64(event.lipschitz) / b_min
+    m_c = step_contraction(event.learning_rate, event.smoothness, event.strong_convexity)
+    thm5 = stop_pnsgd_contraction_epsilon(delta, m, lip, event.noise_std, event.learning_rate, event.diameter, m_c,
                                           positions=batches)
-    rdp = stop_pnsgd_iteration_rdp(orders, m, lip, run.noise_std, positions=batches, form="logmeanexp")
+    rdp = stop_pnsgd_iteration_rdp(orders, m, lip, event.noise_std, positions=batches, form="logmeanexp")
     thm26 = rdp_to_epsilon(rdp, orders, delta).epsilon
     if take is not None:
         thm5, thm26 = thm5[take], thm26[take]
-    comp = _loose_privacy(lipschitz=run.lipschitz, smoothness=run.smoothness, learning_rate=run.learning_rate,
-                          noise_std=run.noise_std, diameter=run.diameter, num_records=n, delta=delta,
-                          strong_convexity=run.strong_convexity, batch_size=b, passes=1,
+    comp = _loose_privacy(lipschitz=event.lipschitz, smoothness=event.smoothness, learning_rate=event.learning_rate,
+                          noise_std=event.noise_std, diameter=event.diameter, num_records=n, delta=delta,
+                          strong_convexity=event.strong_convexity, batch_size=b, passes=1,
                           positions=pos).composition
     none = jnp.where(jnp.isnan(comp), jnp.nan, jnp.inf)
     best = jnp.minimum(jnp.minimum(thm5, thm26), comp)

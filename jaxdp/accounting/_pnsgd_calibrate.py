@@ -120,7 +120,7 @@ def _feasible(log_sig, eps_t, log_dt, pos, n, lip, beta, rho, eta, dia, b, k, an
 def calibrate_pnsgd_noise_std(
     epsilon,
     delta,
-    run: PNSGD | None = None,
+    event: PNSGD | None = None,
     *,
     positions=None,
     analysis: str = "best",
@@ -153,10 +153,10 @@ def calibrate_pnsgd_noise_std(
     Args:
       epsilon: target ε > 0.
       delta: target δ in (0, 1).
-      run: the run's record, a :class:`~jaxdp.accounting.PNSGD` event with
+      event: the run's record, a :class:`~jaxdp.accounting.PNSGD` event with
         ``schedule="fixed"``: L > 0, β > 0, η in (0, 2/(β+ρ)], D > 0, ρ in [0, β], n ≥ 1,
         b ≥ 1, k ≥ 1. Its ``noise_std`` is what is solved for and is not read (give any
-        positive value); ``run.hidden=False`` allows ``analysis="composition"`` only (the
+        positive value); ``event.hidden=False`` allows ``analysis="composition"`` only (the
         default ``"best"`` then means composition). The old keyword form
         ``calibrate_pnsgd_noise_std(epsilon, delta, lipschitz=..., ...)`` still answers for
         one release, with a ``DeprecationWarning``.
@@ -179,27 +179,27 @@ def calibrate_pnsgd_noise_std(
       >>> round(float(s), 4)
       7.4613
     """
-    if not isinstance(run, PNSGD):
-        if run is None and old_keywords:
+    if not isinstance(event, PNSGD):
+        if event is None and old_keywords:
             warn_old_signature(_OLD_SIGNATURE, stacklevel=_WARN_LEVEL)
             return _loose_calibrate(epsilon, delta, **old_keywords, positions=positions, analysis=analysis,
                                     strongly_convex_form=strongly_convex_form)
-        raise TypeError("calibrate_pnsgd_noise_std(epsilon, delta, run) takes the run's record, a PNSGD event; got "
-                        f"{type(run).__name__}.")
+        raise TypeError("calibrate_pnsgd_noise_std(epsilon, delta, event) takes the run's record, a PNSGD event; got "
+                        f"{type(event).__name__}.")
     if old_keywords:
-        raise TypeError("calibrate_pnsgd_noise_std(epsilon, delta, run): the run's constants come from the record; "
+        raise TypeError("calibrate_pnsgd_noise_std(epsilon, delta, event): the run's constants come from the record; "
                         f"got also {', '.join(sorted(old_keywords))}.")
-    if run.schedule != "fixed":
+    if event.schedule != "fixed":
         raise ValueError("calibrate_pnsgd_noise_std covers schedule='fixed'; got schedule='random_stop' (calibrate "
-                         "with pnsgd_privacy(run, delta) over the noise instead).")
-    if not run.hidden:
+                         "with pnsgd_privacy(event, delta) over the noise instead).")
+    if not event.hidden:
         if analysis not in ("best", "composition"):
-            raise ValueError(f"analysis={analysis!r} needs hidden iterates; with run.hidden=False only "
+            raise ValueError(f"analysis={analysis!r} needs hidden iterates; with event.hidden=False only "
                              "'composition' holds.")
         analysis = "composition"
-    return _loose_calibrate(epsilon, delta, lipschitz=run.lipschitz, smoothness=run.smoothness,
-                            learning_rate=run.learning_rate, diameter=run.diameter, num_records=run.num_records,
-                            strong_convexity=run.strong_convexity, batch_size=run.batch_size, passes=run.passes,
+    return _loose_calibrate(epsilon, delta, lipschitz=event.lipschitz, smoothness=event.smoothness,
+                            learning_rate=event.learning_rate, diameter=event.diameter, num_records=event.num_records,
+                            strong_convexity=event.strong_convexity, batch_size=event.batch_size, passes=event.passes,
                             positions=positions, analysis=analysis, strongly_convex_form=strongly_convex_form)
 
 

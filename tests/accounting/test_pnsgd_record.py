@@ -25,8 +25,8 @@ def _event(**kw):
     return A.PNSGD(RUN["lipschitz"], RUN["smoothness"], RUN["learning_rate"], RUN["noise_std"], RUN["diameter"], **kw)
 
 
-@pytest.mark.parametrize("kw", [dict(num_records=40),
-                                dict(num_records=30, batch_size=4, passes=2, strong_convexity=0.2)])
+# Eight records or fewer everywhere: one padded size, so every test reuses the compiled programs.
+@pytest.mark.parametrize("kw", [dict(num_records=8), dict(num_records=7, batch_size=3, passes=2, strong_convexity=0.2)])
 def test_record_and_loose_doors_agree_and_the_loose_one_warns(kw):
     new = A.pnsgd_privacy(_event(**kw), DELTA)
     with pytest.warns(DeprecationWarning, match=r"pnsgd_privacy\(PNSGD\("):
@@ -36,14 +36,14 @@ def test_record_and_loose_doors_agree_and_the_loose_one_warns(kw):
 
 
 def test_calibration_record_and_loose_doors_agree():
-    run = _event(num_records=200, batch_size=8)
+    run = _event(num_records=8, batch_size=2)
     new = float(A.calibrate_pnsgd_noise_std(1.0, DELTA, run))
     with pytest.warns(DeprecationWarning, match="calibrate_pnsgd_noise_std"):
         old = float(A.calibrate_pnsgd_noise_std(1.0, DELTA, **{k: v for k, v in RUN.items() if k != "noise_std"},
-                                                num_records=200, batch_size=8))
+                                                num_records=8, batch_size=2))
     assert new == old
     # The calibrated run meets the target (its noise_std was not read).
-    met = float(A.epsilon(A.PNSGD(1.0, 0.5, 0.5, new, 1.0, num_records=200, batch_size=8), DELTA))
+    met = float(A.epsilon(A.PNSGD(1.0, 0.5, 0.5, new, 1.0, num_records=8, batch_size=2), DELTA))
     assert met <= 1.0 and met >= 0.99
 
 
@@ -60,12 +60,12 @@ def test_record_door_warns_nothing_and_refuses_mixed_calls():
 
 
 def test_released_iterates_leave_only_composition():
-    out = A.pnsgd_privacy(_event(num_records=12, batch_size=3, hidden=False), DELTA)
+    out = A.pnsgd_privacy(_event(num_records=8, batch_size=3, hidden=False), DELTA)
     assert np.all(np.isinf(np.asarray(out.contraction))) and np.all(np.isinf(np.asarray(out.shifted_gdp)))
     np.testing.assert_array_equal(np.asarray(out.best), np.asarray(out.composition))
 
 
-@pytest.mark.parametrize("n, b", [(10, 3), (12, 4), (9, 1)])
+@pytest.mark.parametrize("n, b", [(8, 3), (8, 4), (7, 1)])
 def test_random_stop_with_batches_is_the_theorems_with_batches_as_steps(n, b):
     ev = _event(num_records=n, batch_size=b, schedule="random_stop")
     out = A.pnsgd_privacy(ev, DELTA)
