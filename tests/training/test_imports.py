@@ -73,4 +73,3 @@ MAX_LINES = 600  # issue 20's acceptance: a module a reader can hold in mind
 def test_training_modules_are_at_most_600_lines():
     long = {p.name: n for p in PKG.glob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, long
-
