@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 
-from jaxdp.training._ledger import PrivacyLedger, privacy_report
+from jaxdp.training._ledger import DPSBCDLedger, PrivacyLedger, privacy_report
 
 _DATA = pathlib.Path(__file__).with_name("ledger_reports_main.json")
 
@@ -105,6 +105,47 @@ def test_report_numbers_unchanged(name, main_reports):
     assert list(got["by_analysis"]) == list(want["by_analysis"]), name
     for k in want["by_analysis"]:
         _close(got["by_analysis"][k], want["by_analysis"][k], f"{name}.by_analysis[{k}]")
+
+
+# ---------------------------------------------------------------------------------------
+# DP-SBCD: ledger_reports_dpsbcd_main.json, main's reports (aa993ac) of DPSBCD_CASES (pinned
+# for the day its composition bound, still computed in training/_ledger_dp.py, moves into
+# jaxdp.accounting).
+# ---------------------------------------------------------------------------------------
+
+_DPSBCD_DATA = pathlib.Path(__file__).with_name("ledger_reports_dpsbcd_main.json")
+
+
+def _dpsbcd_ledger(steps_done, temps, passes=2, n=12, b=3, unused=1) -> DPSBCDLedger:
+    return DPSBCDLedger(analysis="dpsbcd", reason="lsi", learning_rate=0.05, noise_temperature=temps,
+                        sensitivity=[2.0, 2.0], contraction=[1.0, 0.9], prox_lipschitz=[1.0, 1.0 / 1.01],
+                        clip_norm=1.0, weight_decay=0.01, penalty=1.0, records=n, unused=unused, batch_size=b,
+                        passes=passes, steps_per_pass=n // b, total_steps=passes * (n // b), steps_done=steps_done,
+                        delta=1e-5, order_seed=0, fixed_noise_seed=False, max_grad_norm=1.0)
+
+
+DPSBCD_CASES = {
+    **{f"per_pass_s{s}": (s, [1e-3, 2e-3]) for s in (0, 2, 4, 6, 8)},
+    **{f"per_step_s{s}": (s, [[1e-3, 1.5e-3, 2e-3, 1e-3], [2e-3, 2e-3, 3e-3, 1e-3]]) for s in (0, 2, 4, 6, 8)},
+    "three_pass_s8": (8, [1e-3, 2e-3, 4e-3], 3),
+}
+
+
+def test_dpsbcd_report_numbers_unchanged():
+    want_all = json.loads(_DPSBCD_DATA.read_text())
+    assert set(want_all) == set(DPSBCD_CASES)
+    for name, args in DPSBCD_CASES.items():
+        led, want = _dpsbcd_ledger(*args), want_all[name]
+        assert led._asdict() == want["ledger"], name
+        r = privacy_report(led)
+        assert (r.analysis, r.reason, bool(r.exact), r.steps_done, r.table()) == (
+            want["analysis"], want["reason"], want["exact"], want["steps_done"], want["table"]), name
+        for key in ("epsilon", "composition", "amplified"):
+            _close(None if getattr(r, key) is None else np.asarray(getattr(r, key)).tolist(), want[key],
+                   f"{name}.{key}")
+        assert list(r.by_analysis) == list(want["by_analysis"]), name
+        for k, v in want["by_analysis"].items():
+            _close(np.asarray(r.by_analysis[k]).tolist(), v, f"{name}.by_analysis[{k}]")
 
 
 if __name__ == "__main__":  # regenerate (on purpose only): python -m tests.training.test_ledger_numbers out.json
