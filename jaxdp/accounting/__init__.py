@@ -36,6 +36,7 @@ from ._conversion import rdp_to_delta as rdp_to_delta
 from ._conversion import rdp_to_epsilon as rdp_to_epsilon
 from ._divergences import hockey_stick_divergence as hockey_stick_divergence
 from ._divergences import kl_divergence as kl_divergence
+from ._dpsbcd import dpsbcd_composition_rdp as dpsbcd_composition_rdp
 from ._dpsbcd import dpsbcd_epsilon as dpsbcd_epsilon
 from ._dpsbcd import dpsbcd_rdp as dpsbcd_rdp
 from ._dpsbcd import dpsbcd_rdp_per_batch as dpsbcd_rdp_per_batch
@@ -181,6 +182,7 @@ __all__ = [
     "dpsbcd_rdp",
     "dpsbcd_rdp_per_batch",
     "dpsbcd_epsilon",
+    "dpsbcd_composition_rdp",
     # Per-instance (data-dependent) accounting.
     "per_instance_sampled_gaussian_rdp",
     "per_instance_dpsgd_privacy",
