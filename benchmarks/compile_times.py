@@ -35,10 +35,9 @@ CASES = {
         "JIT:lambda e: jax.vmap(lambda t: A.calibrate_noise_multiplier(t, 0.01, 1000, 1e-5).noise_multiplier)"
         "(jnp.linspace(0.5, 8, 1000) * e)"),
     "gaussian_hockey_stick": "A.gaussian_hockey_stick(1.0, 0.5)",
-    "pnsgd_privacy (n=1408)": ("A.pnsgd_privacy(lipschitz=2., smoothness=1., learning_rate=1., noise_std=1/16, "
-                               "diameter=60., num_records=1408, delta=1e-5, batch_size=64, passes=10).best"),
-    "calibrate_pnsgd_noise_std": ("A.calibrate_pnsgd_noise_std(2.0, 1e-5, lipschitz=1., smoothness=1., "
-                                  "learning_rate=0.5, diameter=2., num_records=100)"),
+    "pnsgd_privacy (n=1408)": ("A.pnsgd_privacy(A.PNSGD(2., 1., 1., 1/16, 60., num_records=1408, batch_size=64, "
+                               "passes=10), 1e-5).best"),
+    "calibrate_pnsgd_noise_std": "A.calibrate_pnsgd_noise_std(2.0, 1e-5, A.PNSGD(1., 1., 0.5, 1., 2., num_records=100))",
     "stop_pnsgd_contraction_epsilon": "A.stop_pnsgd_contraction_epsilon(1e-5, 10, 1., 1., 1., 80., 1., positions=10)",
     "epsilon(dpsgd_event)": "A.epsilon(A.dpsgd_event(0.01, 1.1, 1000), 1e-5)",
     "epsilon(Composed event)": ("A.epsilon(A.Composed((A.dpsgd_event(0.01, 1.1, 1000), "

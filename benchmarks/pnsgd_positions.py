@@ -26,7 +26,7 @@ import time
 import jax
 import numpy as np
 
-from jaxdp.accounting import pnsgd_contraction_epsilon, pnsgd_iteration_rdp, pnsgd_privacy, pnsgd_shifted_gdp
+from jaxdp.accounting import PNSGD, pnsgd_contraction_epsilon, pnsgd_iteration_rdp, pnsgd_privacy, pnsgd_shifted_gdp
 
 RUN = dict(lipschitz=1.0, smoothness=1.0, learning_rate=0.5, noise_std=1.0, diameter=1.0, strong_convexity=0.2, delta=1e-5)
 
@@ -53,8 +53,10 @@ def main(argv=None) -> int:
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, jax {jax.__version__} ({jax.default_backend()})")
     print(f"{'n':>9} {'first call (s)':>15} {'steady (s)':>11} {'per position (µs)':>18} {'bisection (s)':>14} {'ratio':>7} {'best ε (i=1, n)':>22}")
     for n in args.sizes:
-        first, steady = _time(lambda n=n: pnsgd_privacy(num_records=n, **RUN).best, args.repeats)
-        out = pnsgd_privacy(num_records=n, **RUN)
+        run = PNSGD(RUN["lipschitz"], RUN["smoothness"], RUN["learning_rate"], RUN["noise_std"], RUN["diameter"],
+                    num_records=n, strong_convexity=RUN["strong_convexity"])
+        first, steady = _time(lambda run=run: pnsgd_privacy(run, RUN["delta"]).best, args.repeats)
+        out = pnsgd_privacy(run, RUN["delta"])
         if n <= args.baseline_max:
             from jaxdp.accounting import step_contraction
 

@@ -27,3 +27,12 @@ def deprecation_getattr(module: str, deprecations: Mapping[str, tuple[str, Any]]
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
 
     return __getattr__
+
+
+def warn_old_signature(message: str, stacklevel: int = 3) -> None:
+    """Warn, for one release, that a call used a function's old signature (``message`` names the new one).
+
+    For a function whose arguments changed (loose run constants replaced by the run's
+    record): the function keeps answering the old call, through this ``DeprecationWarning``.
+    """
+    warnings.warn(message, DeprecationWarning, stacklevel=stacklevel)

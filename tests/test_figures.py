@@ -34,10 +34,9 @@ def _pnsgd(lipschitz, smoothness, learning_rate, noise_multiplier, clip_norm, ba
            strong_convexity=0.0):
     """ε per record of ``train``'s PNSGD on the digits: (best, median, worst, composition, by analysis)."""
     n = (DIGITS_TRAIN // batch_size) * batch_size  # drop_remainder
-    out = A.pnsgd_privacy(lipschitz=lipschitz, smoothness=smoothness, learning_rate=learning_rate,
-                          noise_std=noise_multiplier * 2 * clip_norm / batch_size, diameter=2 * radius,
-                          num_records=n, delta=DELTA, strong_convexity=strong_convexity, batch_size=batch_size,
-                          passes=passes)
+    run = A.PNSGD(lipschitz, smoothness, learning_rate, noise_multiplier * 2 * clip_norm / batch_size, 2 * radius,
+                  num_records=n, strong_convexity=strong_convexity, batch_size=batch_size, passes=passes)
+    out = A.pnsgd_privacy(run, DELTA)
     best = np.asarray(out.best)
     return float(best.min()), float(np.median(best)), float(best.max()), float(np.asarray(out.composition).max()), out
 
@@ -134,7 +133,7 @@ def test_audit_pnsgd_claims():
 def test_shifted_interpolation_table():
     # docs/reference.md: "before" is the best of the other analyses, "after" the best-of with shifted GDP
     def before_after(**kw):
-        o = A.pnsgd_privacy(delta=DELTA, **kw)
+        o = A.pnsgd_privacy(A.PNSGD(**kw), DELTA)
         others = np.min(np.stack([np.asarray(getattr(o, k)) for k in
                                   ("contraction", "iteration", "strongly_convex", "composition")]), 0)
         return others, np.asarray(o.best)

@@ -13,6 +13,8 @@
 import ast
 import pathlib
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PKG = ROOT / "jaxdp"
 
@@ -120,10 +122,11 @@ def test_accounting_has_no_import_cycle():
     assert not cycles, "import cycles in jaxdp/accounting:\n" + "\n".join(cycles)
 
 
-def test_accounting_function_level_imports_say_why():
+@pytest.mark.parametrize("folder", ["accounting", "training"])
+def test_function_level_imports_say_why(folder):
     """A function-level import is for an optional dependency or deliberate lazy loading, with a comment."""
     bad = []
-    for path in sorted((PKG / "accounting").glob("*.py")):
+    for path in sorted((PKG / folder).glob("*.py")):
         lines = path.read_text().splitlines()
         tree = ast.parse("\n".join(lines), filename=str(path))
         for f in ast.walk(tree):

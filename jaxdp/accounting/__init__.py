@@ -36,6 +36,7 @@ from ._conversion import rdp_to_delta as rdp_to_delta
 from ._conversion import rdp_to_epsilon as rdp_to_epsilon
 from ._divergences import hockey_stick_divergence as hockey_stick_divergence
 from ._divergences import kl_divergence as kl_divergence
+from ._dpsbcd import dpsbcd_composition_rdp as dpsbcd_composition_rdp
 from ._dpsbcd import dpsbcd_epsilon as dpsbcd_epsilon
 from ._dpsbcd import dpsbcd_rdp as dpsbcd_rdp
 from ._dpsbcd import dpsbcd_rdp_per_batch as dpsbcd_rdp_per_batch
@@ -83,8 +84,8 @@ from ._pld import PLD_TAIL_BOUND as PLD_TAIL_BOUND
 from ._pld import PLDBracket as PLDBracket
 from ._pld import pld_bracket as pld_bracket
 from ._pnsgd import PNSGDPrivacy as PNSGDPrivacy
-from ._pnsgd import calibrate_pnsgd_noise_std as calibrate_pnsgd_noise_std
 from ._pnsgd import pnsgd_privacy as pnsgd_privacy
+from ._pnsgd_calibrate import calibrate_pnsgd_noise_std as calibrate_pnsgd_noise_std
 from ._rdp import DEFAULT_ORDERS as DEFAULT_ORDERS
 from ._rdp import gaussian_rdp as gaussian_rdp
 from ._rdp import heterogeneous_rdp as heterogeneous_rdp
@@ -190,6 +191,7 @@ __all__ = [
     "dpsbcd_rdp",
     "dpsbcd_rdp_per_batch",
     "dpsbcd_epsilon",
+    "dpsbcd_composition_rdp",
     # Per-instance (data-dependent) accounting.
     "per_instance_sampled_gaussian_rdp",
     "per_instance_dpsgd_privacy",

@@ -32,12 +32,7 @@ from .. import _validate
 from .._numerics import f64, float64
 from .._program_cache import persistent
 from . import _pld
-from ._contraction import (
-    pnsgd_contraction_delta,
-    step_contraction,
-    stop_pnsgd_contraction_delta,
-    stop_pnsgd_contraction_epsilon,
-)
+from ._contraction import pnsgd_contraction_delta, step_contraction, stop_pnsgd_contraction_delta
 from ._conversion import rdp_to_delta, rdp_to_epsilon
 from ._dpsbcd import dpsbcd_rdp
 from ._events import (
@@ -54,7 +49,7 @@ from ._events import (
 )
 from ._hockey_stick import gaussian_hockey_stick
 from ._iteration import linear_rdp_delta, pnsgd_iteration_rdp, stop_pnsgd_iteration_rdp
-from ._pnsgd import pnsgd_privacy
+from ._pnsgd import run_privacy, stop_geometry
 from ._rdp import DEFAULT_ORDERS, gaussian_rdp, laplace_rdp, sampled_gaussian_rdp
 from ._shifted import pnsgd_shifted_gdp
 
@@ -100,10 +95,9 @@ def _check_pnsgd_support(ev: PNSGD, path: str) -> None:
                 f"{path}: PNSGD with schedule='random_stop' and hidden=False is not supported (releasing "
                 "every iterate reveals the stopping time)."
             )
-        if ev.batch_size != 1 or ev.passes != 1:
+        if ev.passes != 1:
             raise ValueError(
-                f"{path}: the random-stop PNSGD analyses need batch_size=1 and passes=1; got batch_size="
-                f"{ev.batch_size}, passes={ev.passes}."
+                f"{path}: the random-stop PNSGD analyses cover one pass (passes=1); got passes={ev.passes}."
             )
 
 
@@ -165,9 +159,14 @@ def _last_batch(ev: PNSGD) -> int:
     return n - (-(-n // b) - 1) * b
 
 
-def _stop_rdp(ev: PNSGD, orders, positions):
-    """Feldman et al.'s Theorem 26 RDP of a random-stop run (the ``logmeanexp`` form)."""
-    return _with_fields(stop_pnsgd_iteration_rdp, ev, orders, positions=positions, form="logmeanexp")
+def _stop_rdp(ev: PNSGD, orders, batches):
+    """Feldman et al.'s Theorem 26 RDP of a random-stop run (the ``logmeanexp`` form) at batch indices.
+
+    Batches are the steps: m = ⌈n/b⌉ steps with Lipschitz constant L/b_min (as :func:`pnsgd_privacy`).
+    """
+    m, b_min = stop_geometry(ev.num_records, ev.batch_size)
+    return stop_pnsgd_iteration_rdp(orders, m, f64(ev.lipschitz) / b_min, ev.noise_std, positions=batches,
+                                    form="logmeanexp")
 
 
 def _pnsgd_rdp(ev: PNSGD, orders: np.ndarray):
@@ -233,20 +232,23 @@ def _map_pnsgd(fn, ev: PNSGD, *args):
 
 
 def _pnsgd_record_eps(ev: PNSGD, target_delta, positions, orders):
-    """ε of one (scalar) PNSGD run for the records at ``positions`` (the analyses of :class:`PNSGD`)."""
+    """ε of one (scalar) PNSGD run for the records at ``positions``: ``best`` of :func:`pnsgd_privacy`."""
+    res = run_privacy(ev, target_delta, positions=positions, orders=orders)
     if ev.schedule == "random_stop":
-        m_c = _with_fields(step_contraction, ev)
-        e_c = _with_fields(stop_pnsgd_contraction_epsilon, ev, target_delta, contraction=m_c, positions=positions)
-        e_r = rdp_to_epsilon(_stop_rdp(ev, orders, positions), orders, target_delta).epsilon
-        return jnp.where(_pnsgd_step_ok(ev), jnp.minimum(e_c, e_r), jnp.nan)
-    res = _with_fields(pnsgd_privacy, ev, delta=target_delta, positions=positions)
-    return res.best if ev.hidden else res.composition
+        return jnp.where(_pnsgd_step_ok(ev), res.best, jnp.nan)
+    return res.best
 
 
 def _pnsgd_epsilon_one(ev: PNSGD, target_delta, orders):
-    """ε of the worst record of one (scalar) PNSGD run."""
+    """ε of the worst record of one (scalar) PNSGD run.
+
+    Fixed schedule: the last record (every analysis is non-decreasing in the position).
+    Random stop: the larger of the first and the last record. The stop analyses are
+    non-increasing in the position and composition is the same for every full batch, so
+    no record of a full batch is worse than the first; the last batch may be smaller.
+    """
     if ev.schedule == "random_stop":
-        return _pnsgd_record_eps(ev, target_delta, 1, orders)
+        return jnp.max(_pnsgd_record_eps(ev, target_delta, jnp.asarray([1.0, float(ev.num_records)]), orders))
     return _pnsgd_record_eps(ev, target_delta, jnp.asarray([float(ev.num_records)]), orders)[0]
 
 
@@ -254,9 +256,15 @@ def _pnsgd_delta_one(ev: PNSGD, target_epsilon, orders):
     n = ev.num_records
     m_c = _with_fields(step_contraction, ev)
     if ev.schedule == "random_stop":
-        d_c = _with_fields(stop_pnsgd_contraction_delta, ev, target_epsilon, contraction=m_c, positions=1)
-        d_r = rdp_to_delta(_stop_rdp(ev, orders, 1), orders, target_epsilon).delta
-        out = jnp.minimum(d_c, d_r)
+        # The first and the last batch (see _pnsgd_epsilon_one): Theorem 5, Theorem 26 and composition.
+        m, b_min = stop_geometry(n, ev.batch_size)
+        ends = jnp.asarray([1.0, float(m)])
+        d_c = stop_pnsgd_contraction_delta(target_epsilon, m, f64(ev.lipschitz) / b_min, ev.noise_std,
+                                           ev.learning_rate, ev.diameter, m_c, positions=ends)
+        d_r = rdp_to_delta(_stop_rdp(ev, orders, ends), orders, target_epsilon).delta
+        b_ends = jnp.asarray([float(min(ev.batch_size, n)), float(_last_batch(ev))])
+        d_g = gaussian_hockey_stick(target_epsilon, 2.0 * f64(ev.lipschitz) / (b_ends * f64(ev.noise_std)))
+        out = jnp.max(jnp.minimum(jnp.minimum(d_c, d_r), d_g))
     else:
         r = 2.0 * ev.lipschitz * math.sqrt(ev.passes) / (_last_batch(ev) * ev.noise_std)
         d_g = gaussian_hockey_stick(target_epsilon, r)  # composition: every iterate released

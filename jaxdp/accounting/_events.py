@@ -194,8 +194,9 @@ class PNSGD(Event):
       composition of the record's ``passes`` Gaussian steps (the ``composition`` analysis).
     * ``schedule="random_stop"``, ``hidden=True``: a uniformly random, secret number of
       steps in 1..n; the better of the contraction bound (Asoodeh et al. Theorem 5) and
-      Feldman et al.'s Theorem 26 RDP (``form="logmeanexp"``). Needs ``batch_size=1`` and
-      ``passes=1``.
+      Feldman et al.'s Theorem 26 RDP (``form="logmeanexp"``), and per record the
+      composition bound too. Needs ``passes=1``; with ``batch_size`` b > 1 the batches are
+      the steps (Lipschitz constant L/b_min, see :func:`pnsgd_privacy`).
 
     Attributes:
       lipschitz, smoothness, learning_rate, noise_std, diameter, strong_convexity: L ≥ 0,

@@ -78,7 +78,7 @@ def run(args) -> int:
 
     import numpy as np
 
-    from ..accounting import pnsgd_privacy
+    from ..accounting import PNSGD, pnsgd_privacy
 
     if not 1 <= args.num_records <= MAX_NUM_RECORDS:
         return error(f"--num-records must be an integer in [1, {MAX_NUM_RECORDS}] (one value per record position "
@@ -91,18 +91,10 @@ def run(args) -> int:
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             return error(f"--plot cannot write to {args.plot!r}: its folder does not exist or is not writable")
     try:
-        out = pnsgd_privacy(
-            lipschitz=args.lipschitz,
-            smoothness=args.smoothness,
-            learning_rate=args.learning_rate,
-            noise_std=args.noise_std,
-            diameter=args.diameter,
-            num_records=int(args.num_records),
-            delta=args.delta,
-            strong_convexity=args.strong_convexity,
-            batch_size=int(args.batch_size),
-            passes=int(args.passes),
-        )
+        run = PNSGD(args.lipschitz, args.smoothness, args.learning_rate, args.noise_std, args.diameter,
+                    num_records=int(args.num_records), strong_convexity=args.strong_convexity,
+                    batch_size=int(args.batch_size), passes=int(args.passes))
+        out = pnsgd_privacy(run, args.delta)
     except ValueError as exc:  # the library names the parameter; the option has its name
         return error(option_message(str(exc)))
     positions = np.asarray(out.positions).astype(np.int64)

@@ -242,7 +242,8 @@ def run(args) -> int:
     worst = rep.summary()["worst"]
     plot = None if str(args.plot).lower() == "none" else args.plot
     payload = {
-        "private": not led.fixed_noise_seed, "epsilon_worst": worst, "delta": rep.delta, "analysis": rep.analysis,
+        # The guarantee of the release first, for every mechanism (then whether the noise was secret).
+        "epsilon_worst": worst, "delta": rep.delta, "private": not led.fixed_noise_seed, "analysis": rep.analysis,
         "reason": rep.reason, "dataset": ds.name, "model": args.model, "algorithm": args.algorithm,
         "test_accuracy": res.test_accuracy, "epsilon": rep.summary(), "ledger": led.public(),
         "train_seconds": res.seconds, "total_seconds": total,

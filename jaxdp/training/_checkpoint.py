@@ -204,7 +204,7 @@ class Checkpointer:
         Raises:
           ValueError: the folder is a file, cannot be written, or another run holds its lock.
         """
-        from filelock import FileLock, Timeout
+        from filelock import FileLock, Timeout  # lazy: only a run with a checkpoint folder takes the lock
 
         where = str(self.directory)
         if self.directory.exists() and not self.directory.is_dir():
@@ -228,7 +228,7 @@ class Checkpointer:
 
     def _mngr(self):
         if self._manager is None:
-            import orbax.checkpoint as ocp
+            import orbax.checkpoint as ocp  # lazy: a heavy import, needed only by checkpoints
 
             _remove_tmp(self.directory)  # leftovers of a run killed mid-save
             options = ocp.CheckpointManagerOptions(
@@ -259,7 +259,7 @@ class Checkpointer:
           ValueError: if ``metadata`` is not JSON-serialisable (checked before anything is
             written) or ``index`` is not above the present ones.
         """
-        import orbax.checkpoint as ocp
+        import orbax.checkpoint as ocp  # lazy: a heavy import, needed only by checkpoints
 
         meta = {k: v for k, v in metadata.items() if k not in _RESERVED}
         meta["_step"] = int(step)
@@ -331,7 +331,7 @@ class Checkpointer:
         raise FileNotFoundError(f"no intact checkpoint to restore in {self.directory}{extra}.")
 
     def _read_arrays(self, index: int, meta: dict, like: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        import orbax.checkpoint as ocp
+        import orbax.checkpoint as ocp  # lazy: a heavy import, needed only by checkpoints
 
         stored = meta.get("_arrays")
         expected = {k: [list(v.shape), str(v.dtype)] for k, v in like.items()}

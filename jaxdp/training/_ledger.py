@@ -5,7 +5,9 @@ constants :math:`L, \beta, \rho`, the step :math:`\eta`, the noise :math:`\sigma
 diameter :math:`D = 2R`, the number of records :math:`n`, the batch size :math:`b`, the
 passes, the steps done and :math:`\delta`), as plain JSON-serialisable Python values, so it
 can be checkpointed and audited. :func:`privacy_report` turns it into ε per record position
-with the pure accountants of :mod:`jaxdp.accounting`.
+with the pure accountants of :mod:`jaxdp.accounting`: every number is one call of
+:func:`jaxdp.accounting.pnsgd_privacy` on the ledger's event for the steps done
+(:meth:`PrivacyLedger.event`); this module only decides which event describes them.
 
 Which guarantee is reported:
 
@@ -32,15 +34,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..accounting import (
-    DEFAULT_ORDERS,
-    PNSGD,
-    pnsgd_privacy,
-    rdp_to_epsilon,
-    step_contraction,
-    stop_pnsgd_contraction_epsilon,
-    stop_pnsgd_iteration_rdp,
-)
+from ..accounting import PNSGD, pnsgd_privacy
 from ._ledger_dp import DPSBCDLedger, DPSGDLedger, _dpsbcd_report, _dpsgd_report
 from ._report import NOT_PRIVATE as NOT_PRIVATE
 from ._report import PrivacyReport
@@ -138,18 +132,22 @@ class PrivacyLedger(NamedTuple):
         """The :class:`~jaxdp.accounting.PNSGD` event of the first ``passes`` passes (default: all planned).
 
         ``hidden`` is False once the analysis is composition (every iterate may be released,
-        or the update is not known to be a contraction). Random stopping has an event only
-        for ``batch_size=1`` (the accountant's stop analyses are stated per record);
-        :func:`privacy_report` covers batches.
+        or the update is not known to be a contraction); β is then not used and ``1/η``
+        stands in for it. Random stopping, with batches too, is one pass stopped at a
+        secret step (:func:`jaxdp.accounting.pnsgd_privacy` covers it); demoted to
+        composition, it is the one pass with every record used once.
         """
-        p = self.passes if passes is None else int(passes)
         hidden = self.analysis != _COMPOSITION
-        if self.schedule == "random_stop" and self.batch_size != 1:
-            raise ValueError("random stopping with batch_size > 1 has no accounting event; use privacy_report(ledger).")
-        smoothness = self.smoothness if (hidden and self.smoothness is not None) else 1.0 / self.learning_rate
-        return PNSGD(self.lipschitz, smoothness, self.learning_rate, self.noise_std, self.diameter,
-                     num_records=int(self.records), strong_convexity=self.strong_convexity if hidden else 0.0,
-                     batch_size=int(self.batch_size), passes=p, schedule=self.schedule, hidden=hidden)
+        if self.schedule == "random_stop":
+            return self._event(1, self.records, hidden=hidden, schedule="random_stop" if hidden else "fixed")
+        return self._event(self.passes if passes is None else int(passes), self.records, hidden=hidden)
+
+    def _event(self, passes: int, records: int, *, hidden: bool, schedule: str = "fixed") -> PNSGD:
+        amplified = hidden and self.smoothness is not None
+        return PNSGD(self.lipschitz, self.smoothness if amplified else 1.0 / self.learning_rate, self.learning_rate,
+                     self.noise_std, self.diameter, num_records=int(records),
+                     strong_convexity=self.strong_convexity if amplified else 0.0, batch_size=int(self.batch_size),
+                     passes=int(passes), schedule=schedule, hidden=hidden)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> PrivacyLedger:
@@ -183,64 +181,9 @@ def _clipping_reason(ledger: PrivacyLedger) -> str | None:
     return None
 
 
-# ----------------------------------------------------------------------------------------
-# The one place that calls the hidden-state accountant.
-# ----------------------------------------------------------------------------------------
-
-
-def _pnsgd_epsilons(*, lipschitz, smoothness, strong_convexity, learning_rate, noise_std, diameter, records,
-                    batch_size, passes, delta, positions, amplified: bool) -> dict[str, np.ndarray]:
-    """ε per position from :func:`jaxdp.accounting.pnsgd_privacy` (the only call site).
-
-    ``noise_std`` is the absolute std σ of the noise on the averaged gradient, i.e.
-    ``pnsgd_noise_std(ν, C, b)``. With ``amplified=False`` only the composition bound is
-    returned; it depends on neither β nor η nor D, so a stand-in smoothness ``1/η`` (which
-    makes the step valid) is passed when β is unknown.
-    """
-    if not amplified or smoothness is None:
-        smoothness, strong_convexity = 1.0 / float(learning_rate), 0.0
-    out = pnsgd_privacy(
-        lipschitz=float(lipschitz), smoothness=float(smoothness), learning_rate=float(learning_rate),
-        noise_std=float(noise_std), diameter=float(diameter), num_records=int(records), delta=float(delta),
-        strong_convexity=float(strong_convexity), batch_size=int(batch_size), passes=int(passes),
-        positions=positions,
-    )
-    if not amplified:
-        return {"composition": np.asarray(out.composition, np.float64)}
-    return {name: np.asarray(getattr(out, name), np.float64)
-            for name in ("contraction", "iteration", "strongly_convex", "shifted_gdp", "composition", "best")}
-
-
-def _stop_epsilons(ledger: PrivacyLedger) -> dict[str, np.ndarray]:
-    r"""ε per record of the randomly stopped run, by two analyses, expanded from batches.
-
-    Batches are the steps: step :math:`j`'s averaged gradient has sensitivity
-    :math:`2L/b_j`, so each analysis (stated for :math:`b = 1`) applies with Lipschitz
-    constant :math:`L/b_{\min}` (conservatively, the smallest batch) and :math:`m` steps;
-    a record's position is its batch's index.
-
-    * ``"random-stop (Thm 5)"``: Asoodeh et al. Theorem 5, exact sum per position.
-    * ``"random-stop (Thm 26)"``: Feldman et al. Theorem 26 (Stop-PNSGD), in the
-      ``"logmeanexp"`` form of :func:`~jaxdp.accounting.stop_pnsgd_iteration_rdp` (no
-      condition on σ): given the stopping time :math:`T \ge j`, a record of batch
-      :math:`j` has :math:`D_α \le 2α(L/b)^2/(σ^2 (T - j + 1))` (Theorem 23 run for
-      :math:`T` steps), :math:`0` for :math:`T < j`, and the uniform mixture over
-      :math:`T` is bounded by Lemma 25. Converted to ε over ``DEFAULT_ORDERS`` with the
-      improved conversion.
-    """
-
-    n, b, m = ledger.records, ledger.batch_size, ledger.steps_per_pass
-    b_min = min(b, n - (m - 1) * b)
-    batches = np.arange(1, m + 1, dtype=np.float64)
-    contraction = float(step_contraction(ledger.learning_rate, ledger.smoothness, ledger.strong_convexity))
-    thm5 = np.asarray(stop_pnsgd_contraction_epsilon(
-        ledger.delta, m, ledger.lipschitz / b_min, ledger.noise_std, ledger.learning_rate,
-        ledger.diameter, contraction, positions=batches), np.float64)
-    rdp = stop_pnsgd_iteration_rdp(DEFAULT_ORDERS, m, ledger.lipschitz / b_min, ledger.noise_std,
-                                   positions=batches, form="logmeanexp")
-    thm26 = np.asarray(rdp_to_epsilon(rdp, DEFAULT_ORDERS, ledger.delta).epsilon, np.float64)
-    record_batch = np.arange(n) // b
-    return {"random-stop (Thm 5)": thm5[record_batch], "random-stop (Thm 26)": thm26[record_batch]}
+_FIXED_ANALYSES = ("contraction", "iteration", "strongly_convex", "shifted_gdp", "composition", "best")
+_STOP_ANALYSES = {"random-stop (Thm 5)": "contraction", "random-stop (Thm 26)": "iteration",
+                  "composition": "composition", "best": "best"}
 
 
 def privacy_report(ledger: PrivacyLedger | DPSGDLedger | DPSBCDLedger, accountant: str = "rdp") -> PrivacyReport:
@@ -300,24 +243,19 @@ def privacy_report(ledger: PrivacyLedger | DPSGDLedger | DPSBCDLedger, accountan
 
 
 def _report(ledger: PrivacyLedger) -> PrivacyReport:
+    """The report as accounting calls on the event that describes the steps done (see :func:`privacy_report`)."""
     n, b, m = ledger.records, ledger.batch_size, ledger.steps_per_pass
     positions = np.arange(1, n + 1)
     s = int(ledger.steps_done)
     amplified_ok = ledger.analysis != _COMPOSITION
-    common = dict(lipschitz=ledger.lipschitz, smoothness=ledger.smoothness,
-                  strong_convexity=ledger.strong_convexity, learning_rate=ledger.learning_rate,
-                  noise_std=ledger.noise_std, diameter=ledger.diameter, batch_size=b, delta=ledger.delta)
     exact = True
     if ledger.schedule == "random_stop":
-        # The released iterate's guarantee: every record possibly used once.
-        comp = _pnsgd_epsilons(**common, records=n, passes=1, positions=positions, amplified=False)
-        comp = comp["composition"]
-        by = {"composition": comp}
-        amp = None
-        if amplified_ok:
-            by = _stop_epsilons(ledger)
-            amp = np.minimum(np.minimum(*by.values()), comp)
-            by.update({"composition": comp, "best": amp})
+        # The released iterate's guarantee: it does not depend on the drawn (secret) stopping time.
+        out = pnsgd_privacy(ledger.event(), ledger.delta)
+        comp = np.asarray(out.composition, np.float64)
+        amp = np.asarray(out.best, np.float64) if amplified_ok else None
+        by = ({k: np.asarray(getattr(out, f), np.float64) for k, f in _STOP_ANALYSES.items()} if amplified_ok
+              else {"composition": comp})
         eps = amp if amp is not None else comp
         # No step count: the stopping time is secret, and the guarantee does not depend on it.
         return PrivacyReport(ledger.analysis, ledger.reason, ledger.delta, None, positions, eps, comp,
@@ -328,20 +266,23 @@ def _report(ledger: PrivacyLedger) -> PrivacyReport:
         by = {"composition": zeros} if not amplified_ok else {"best": zeros, "composition": zeros}
         return PrivacyReport(ledger.analysis, ledger.reason, ledger.delta, s, positions, zeros, zeros,
                              None if not amplified_ok else zeros, by, ledger.unused, exact)
+    names = _FIXED_ANALYSES if amplified_ok else ("composition",)
     if p == 0:
+        # The first pass so far: one pass over the first `seen` records; the others have ε = 0. The
+        # positions keep one shape every call (one compilation): those past `seen` are evaluated at
+        # `seen`, then set to 0.
         seen = min(t * b, n)
-        # Same positions shape every call (one compilation); positions past `seen` are
-        # evaluated at `seen` and then set to 0 (not used yet).
         pos = np.minimum(positions, seen).astype(np.float64)
-        by = _pnsgd_epsilons(**common, records=seen, passes=1, positions=pos, amplified=amplified_ok)
-        by = {k: np.where(positions <= seen, v, 0.0) for k, v in by.items()}
+        out = pnsgd_privacy(ledger._event(1, seen, hidden=amplified_ok), ledger.delta, positions=pos)
+        by = {k: np.where(positions <= seen, np.asarray(getattr(out, k), np.float64), 0.0) for k in names}
     elif t == 0:
-        by = _pnsgd_epsilons(**common, records=n, passes=p, positions=positions.astype(np.float64),
-                             amplified=amplified_ok)
+        out = pnsgd_privacy(ledger.event(p), ledger.delta, positions=positions.astype(np.float64))
+        by = {k: np.asarray(getattr(out, k), np.float64) for k in names}
     else:
+        # Inside a later pass: composition with p + 1 uses of every record (valid, conservative).
         exact = False
-        by = _pnsgd_epsilons(**common, records=n, passes=p + 1, positions=positions.astype(np.float64),
-                             amplified=False)
+        out = pnsgd_privacy(ledger._event(p + 1, n, hidden=False), ledger.delta, positions=positions.astype(np.float64))
+        by = {"composition": np.asarray(out.composition, np.float64)}
     comp = by["composition"]
     amp = by.get("best")
     eps = amp if (amp is not None and exact) else comp

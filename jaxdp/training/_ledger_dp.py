@@ -17,6 +17,7 @@ import numpy as np
 from ..accounting import (
     DEFAULT_ORDERS,
     DPSBCD,
+    dpsbcd_composition_rdp,
     dpsbcd_rdp_per_batch,
     dpsgd_epsilon,
     dpsgd_event,
@@ -212,26 +213,23 @@ class DPSBCDLedger(NamedTuple):
 
 @functools.lru_cache(maxsize=8)
 def _dpsbcd_epsilons_fn(num_layers: int, passes: int, per_step: bool, num_records: int, batch_size: int):
-    """A jitted ``(temps, eta, sensitivity, contraction, prox_lipschitz, used, delta) -> (hidden, composition)``.
+    """A jitted ``(temps, eta, sensitivity, contraction, prox_lipschitz, steps_done, delta) -> (hidden, composition)``.
 
-    Both are ε per batch position, shape ``(m,)``; ``used`` is the ``(passes, m)`` mask of
-    the steps done (composition). One compiled call instead of many eager ones (cached on
-    shapes only; traced inside an x64 scope, so float64 throughout).
+    Both are ε per batch position, shape ``(m,)``; composition counts the ``steps_done``
+    first steps (:func:`jaxdp.accounting.dpsbcd_composition_rdp`). One compiled call instead
+    of many eager ones (cached on shapes only; traced inside an x64 scope, so float64
+    throughout).
     """
-    m = num_records // batch_size
     orders = np.asarray(DEFAULT_ORDERS, np.float64)
 
-    def fn(temps, eta, sensitivity, contraction, prox_lipschitz, used, delta):
-        kw = dict(learning_rate=eta, sensitivity=sensitivity, contraction=contraction, prox_lipschitz=prox_lipschitz,
-                  num_records=num_records, batch_size=batch_size)
+    def fn(temps, eta, sensitivity, contraction, prox_lipschitz, steps_done, delta):
+        kw = dict(learning_rate=eta, sensitivity=sensitivity, num_records=num_records, batch_size=batch_size)
         # The per-position RDP is linear in the order, α·c_j: one order gives c_j. All m
         # positions in one call (shared LSI constants and decay sums: O(passes·m), one scan).
-        c = dpsbcd_rdp_per_batch([2.0], temps, **kw)[:, 0] / 2.0
-        per_step_temps = temps if per_step else jnp.repeat(temps[:, None], m, axis=1)
-        # Composition: each use is, per layer, a Gaussian mechanism with RDP α ηS²/(4b²o)
-        # (noise std sqrt(2ηo) on a step moved by ηS/b), summed over layers and uses.
-        comp = jnp.sum(jnp.where(used, eta * jnp.sum(sensitivity**2) / (4.0 * batch_size**2 * per_step_temps), 0.0),
-                       axis=0)
+        c = dpsbcd_rdp_per_batch([2.0], temps, contraction=contraction, prox_lipschitz=prox_lipschitz, **kw)[:, 0] / 2.0
+        # Composition (every step a Gaussian mechanism, layers and uses composed), linear in the order too
+        # (α·2/2 is exact in binary floating point).
+        comp = dpsbcd_composition_rdp([2.0], temps, num_steps=steps_done, **kw)[:, 0] / 2.0
 
         def eps(cj):
             return rdp_to_epsilon(orders * cj, orders, delta).epsilon
@@ -256,8 +254,6 @@ def _dpsbcd_report(ledger: DPSBCDLedger) -> PrivacyReport:
     p, t = divmod(s, m)
     record_batch = np.arange(n) // b
     temps = np.asarray(ledger.noise_temperature, np.float64)
-    used = np.zeros((ledger.passes, m), bool)
-    used.reshape(-1)[:s] = True
     sens = np.asarray(ledger.sensitivity, np.float64)
     fn = _dpsbcd_epsilons_fn(sens.size, ledger.passes, temps.ndim == 2, n, b)
     args = (float(ledger.learning_rate), sens, np.asarray(ledger.contraction, np.float64),
@@ -265,10 +261,10 @@ def _dpsbcd_report(ledger: DPSBCDLedger) -> PrivacyReport:
     with jax.enable_x64(True):
         # All planned passes (one compiled shape; steps not done are masked for composition). The
         # hidden-state bound of the first p < passes passes needs its own shape.
-        hid, comp = fn(temps, *args, used, float(ledger.delta))
+        hid, comp = fn(temps, *args, s, float(ledger.delta))
         if 0 < p < ledger.passes and t == 0:
             fn_p = _dpsbcd_epsilons_fn(sens.size, p, temps.ndim == 2, n, b)
-            hid, _ = fn_p(temps[:p], *args, used[:p], float(ledger.delta))
+            hid, _ = fn_p(temps[:p], *args, p * m, float(ledger.delta))
     comp = np.asarray(comp, np.float64)[record_batch]
     exact = t == 0
     if s == 0:

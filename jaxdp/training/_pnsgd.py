@@ -217,13 +217,8 @@ def _noise_for_target(mech: PNSGDMechanism, ledger: PrivacyLedger, planned_steps
 
     start = 1.0
     if ledger.schedule == "fixed":
-        amplified = ledger.analysis != "composition"
-        sigma = calibrate_pnsgd_noise_std(
-            target, ledger.delta, lipschitz=ledger.lipschitz,
-            smoothness=ledger.smoothness if amplified else 1.0 / ledger.learning_rate,
-            learning_rate=ledger.learning_rate, diameter=ledger.diameter, num_records=ledger.records,
-            strong_convexity=ledger.strong_convexity if amplified else 0.0, batch_size=b, passes=ledger.passes,
-            analysis="best" if amplified else "composition")
+        # The run's record (its noise_std is what is solved for); composition when demoted.
+        sigma = calibrate_pnsgd_noise_std(target, ledger.delta, ledger.event())
         start = float(sigma) * b / (2.0 * c)  # the accountant's σ as the ν the report recomputes σ from
     return certify_noise(worst, target, start, "noise_multiplier")
 

@@ -336,8 +336,8 @@ def pnsgd(learning_rate, noise_multiplier, clip_norm, radius, key, batch_size: i
     :math:`L`, with sensitivity
     :math:`2L/b` (Feldman et al., Algorithm 1: :math:`\sigma` is the std of the noise added
     to the gradient, so the noise std in parameter space is :math:`\eta\sigma`). So call
-    ``jaxdp.accounting.pnsgd_privacy(lipschitz=C, noise_std=pnsgd_noise_std(ν, C, b),
-    batch_size=b, learning_rate=η, diameter=2R, ...)``; conversely a :math:`\sigma` from
+    ``jaxdp.accounting.pnsgd_privacy(PNSGD(C, β, η, pnsgd_noise_std(ν, C, b), 2R,
+    num_records=n, batch_size=b), delta)``; conversely a :math:`\sigma` from
     ``calibrate_pnsgd_noise_std`` gives :math:`\nu = \sigma b / (2C)`. At :math:`b = 1` the
     per-index bound of Theorem 23 becomes
 

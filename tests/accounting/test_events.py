@@ -262,7 +262,7 @@ def test_grad_matches_central_differences(make, x0):
         (A.Composed((A.Gaussian(1.0), A.Gaussian(1.0, relation="replace_one"))), "mixes neighbouring relations"),
         (A.PNSGD(1.0, 0.5, 0.5, 2.0, 1.0, num_records=4, relation="add_remove"), "relation 'replace_one' only"),
         (A.PNSGD(1.0, 0.5, 0.5, 2.0, 1.0, num_records=4, schedule="random_stop", hidden=False), "random_stop"),
-        (A.PNSGD(1.0, 0.5, 0.5, 2.0, 1.0, num_records=4, schedule="random_stop", batch_size=2), "batch_size=1"),
+        (A.PNSGD(1.0, 0.5, 0.5, 2.0, 1.0, num_records=4, schedule="random_stop", passes=2), "passes=1"),
         (A.PNSGD(1.0, 0.5, 5.0, 2.0, 1.0, num_records=4), r"learning_rate \(PNSGD\)"),
         (A.PNSGD(1.0, 0.5, 0.5, -2.0, 1.0, num_records=4), r"noise_std \(PNSGD\)"),
         (A.Composed(()), "empty"),

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from jaxdp.accounting import _contraction as C
 from jaxdp.accounting import _pnsgd as P
+from jaxdp.accounting import _pnsgd_calibrate as PC
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from references import rdp_to_epsilon_improved
@@ -145,14 +146,14 @@ def test_properties_monotone_best_and_one_step(noise_std, diameter, rho, batch, 
 
 
 def test_calibration_worst_record_is_gaussian():
-    s = float(P.calibrate_pnsgd_noise_std(1.0, 1e-5, lipschitz=1.0, smoothness=1.0, learning_rate=0.5, diameter=1.0, num_records=1000))
+    s = float(PC.calibrate_pnsgd_noise_std(1.0, 1e-5, lipschitz=1.0, smoothness=1.0, learning_rate=0.5, diameter=1.0, num_records=1000))
     assert theta_mp(1.0, 2.0 / s) <= 1e-5
     assert theta_mp(1.0, 2.0 / (s * (1 - 1e-9))) > 1e-5  # and it is the smallest such σ
 
 
 def test_calibration_per_position_contraction():
     pos = jnp.array([1, 30, 39, 40])
-    s = np.asarray(P.calibrate_pnsgd_noise_std(1.0, 1e-5, lipschitz=1.0, smoothness=0.5, learning_rate=0.5, diameter=1.0, num_records=40, positions=pos, analysis="contraction"))
+    s = np.asarray(PC.calibrate_pnsgd_noise_std(1.0, 1e-5, lipschitz=1.0, smoothness=0.5, learning_rate=0.5, diameter=1.0, num_records=40, positions=pos, analysis="contraction"))
     for i, sig in zip([1, 30, 39, 40], s):
         logd = lambda x, i=i: mp.log(theta_mp(1.0, 2 / x)) + (40 - i) * mp.log(theta_mp(1.0, 1 / (0.5 * x)))  # noqa: E731
         assert logd(sig) <= mp.log(1e-5)
@@ -196,7 +197,7 @@ def test_errors_name_the_parameter():
     with pytest.raises(ValueError, match="delta"):
         P.pnsgd_privacy(**{**FIG2, "delta": 1.0})
     with pytest.raises(ValueError, match="analysis"):
-        P.calibrate_pnsgd_noise_std(1.0, 1e-5, lipschitz=1.0, smoothness=1.0, learning_rate=0.5, diameter=1.0, num_records=10, analysis="x")
+        PC.calibrate_pnsgd_noise_std(1.0, 1e-5, lipschitz=1.0, smoothness=1.0, learning_rate=0.5, diameter=1.0, num_records=10, analysis="x")
 
 
 def test_traced_invalid_inputs_give_nan(fig2_run):
@@ -233,7 +234,7 @@ def test_inconsistent_arguments_rejected_eagerly():
     with pytest.raises(ValueError, match="positions must be ≤ num_records"):
         P.pnsgd_privacy(**FIG2, positions=[1, 41])
     with pytest.raises(ValueError, match="batch_size must be ≤ num_records"):
-        P.calibrate_pnsgd_noise_std(1.0, 1e-5, lipschitz=1.0, smoothness=1.0, learning_rate=0.5, diameter=1.0,
+        PC.calibrate_pnsgd_noise_std(1.0, 1e-5, lipschitz=1.0, smoothness=1.0, learning_rate=0.5, diameter=1.0,
                                     num_records=10, batch_size=11)
     with pytest.raises(ValueError, match="positions must be ≤ num_records"):
         C.stop_pnsgd_contraction_delta(1.0, 10, 1.0, 1.0, 0.5, 1.0, positions=11)
