@@ -37,7 +37,7 @@ GLOSSARY = {
     # randomness: the public order and the secret noise key
     "key", "order_seed", "noise_seed", "seed", "checkpoint_key",
     # PLD accounting: static grid options
-    "grid_size", "tail_bound", "estimate",
+    "grid_size", "tail_bound", "estimate", "fallback",
     # empirical auditing (jaxdp.audit)
     "scores_in", "scores_out", "scores", "included", "confidence", "thresholds", "successes", "trials",
     "num_canaries", "num_guesses", "num_correct",
