@@ -8,7 +8,7 @@ An accountant turns an event tree (``_events.py``) into ε or δ. Two are regist
   (``compose=False`` only checks, eagerly, before the leaves are checked). A lone
   :class:`PNSGD` run gets its own (ε, δ) analyses, tighter than its curve.
 * ``"pld"``: privacy loss distributions composed by FFT (``_pld.py``, which imports the
-  event tree only), with its options ``grid_size``, ``tail_bound`` and ``estimate``.
+  event tree only), with its options ``grid_size``, ``tail_bound``, ``estimate`` and ``fallback``.
 
 :func:`register_accountant` adds others. Per-record PNSGD ε (:func:`pnsgd_record_epsilon`)
 is here too: the theorem functions receive the run's constants from the event by name
@@ -381,9 +381,9 @@ def epsilon(event: Event, delta, *, orders=DEFAULT_ORDERS, accountant: str = "rd
     With ``accountant="pld"``: the privacy loss distribution composed by FFT,
     :math:`ε = \min\{ε ≥ 0 : δ_ω(ε) ≤ δ\}` for the composed discrete PLD ω, a certified
     upper bound by default (connect-the-dots, Doroshenko et al. 2022; see
-    ``docs/pld.md``). It covers ``Gaussian``, ``Laplace``, ``PoissonSampled(q,
-    Gaussian(...))`` (add/remove-one), ``PoissonSampled`` of Gaussian or Laplace
-    compositions, ``ApproxDP`` (external (ε, δ) guarantees) and their compositions; where
+    ``docs/pld.md``). It covers ``Gaussian``, ``Laplace``, ``ApproxDP`` (external (ε, δ)
+    guarantees), ``PoissonSampled(q, inner)`` (add/remove-one) of a ``Gaussian`` (also
+    self-composed), ``Laplace`` or ``ApproxDP``, and their compositions; where
     the grid cannot certify δ, the RDP accountant's ε (``fallback="rdp"``, eagerly with a
     ``UserWarning``). Both bounds at once: :func:`pld_bracket`.
 

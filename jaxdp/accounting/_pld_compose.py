@@ -190,10 +190,12 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n):
         w_c = top - b_c
         log_below = jnp.minimum(jnp.min(neg_mgf[None, :] + thetas[None, :] * b_c[:, None], axis=1), 0.0)
         fu = log_below[:, None] - thetas[None, :] * w_c[:, None] <= log_dt - _FOLD_LOG
-        above = thetas[None, :] > thetas[:, None]  # [λ, θ]
-        gap = thetas[None, None, :] - thetas[None, :, None]  # θ - λ
-        ex = (lam_mgf - thetas * bottom)[None, None, :] - gap * w_c[:, None, None]
-        fd = jnp.min(jnp.where(above[None], ex, jnp.inf), axis=2) <= log_dt - _FOLD_LOG
+        # min over θ > λ of Λ(θ) - θ ε_b - (θ - λ)W: a suffix minimum over the (increasing)
+        # ladder of Λ(θ) - θ(ε_b + W), shifted by one, plus λW.
+        b_ex = (lam_mgf - thetas * bottom)[None, :] - thetas[None, :] * w_c[:, None]  # [W, θ]
+        suffix = jax.lax.cummin(b_ex, axis=1, reverse=True)
+        after = jnp.concatenate([suffix[:, 1:], jnp.full((suffix.shape[0], 1), jnp.inf)], axis=1)
+        fd = after + thetas[None, :] * w_c[:, None] <= log_dt - _FOLD_LOG
         h_c = jnp.maximum(span_s, w_c) / (n - 2)
         bins = jnp.log(jnp.minimum(float(n), 1.0 + 1.0 / (thetas[None, :] * h_c[:, None])))
         r_obj = log_m + (lam_mgf - thetas * ref)[None, :] + bins
