@@ -7,8 +7,13 @@ PLD calibration of σ for a target ε is faster than dp_accounting's calibrate_d
 with a PLDAccountant factory. The peers are host Python, one configuration at a time: a
 random sample of the grid is timed and extrapolated (said in the output).
 
-Run: ``python benchmarks/pld.py [--sample 20] [--configs 1000]``. Prints ratios; figures go
-into benchmarks/README.md with the machine.
+Also (issue 27) the five DP-SGD configurations of the acceptance table: jaxdp's default
+bracket (upper, lower) against dp_accounting's PLD at value step 1e-5 (and its default
+1e-4), with each library's time per configuration; opake-accounting where it installs
+(Python 3.13; skipped otherwise, said in the output).
+
+Run: ``python benchmarks/pld.py [--sample 20] [--configs 1000] [--no-table] [--no-calibration]``.
+Prints ratios; figures go into benchmarks/README.md with the machine.
 """
 
 from __future__ import annotations
@@ -49,15 +54,49 @@ def _opacus_epsilon(q, s, t, delta):
     return acc.get_epsilon(delta)
 
 
+# The acceptance table (issue 27): five DP-SGD configurations (q, σ, steps), δ = 1e-5.
+TABLE = [(256 / 60000, 1.1, 14063), (0.001, 0.8, 1000), (0.1, 2.0, 100), (0.01, 1.0, 10000), (0.001, 1.0, 10000)]
+
+
+def _table(delta) -> None:
+    """jaxdp's default bracket against dp_accounting's PLD at value step 1e-5 (and 1e-4), with costs."""
+    q, s, t = (np.array(x, dtype=float) for x in zip(*TABLE))
+    f = jax.jit(lambda q, s, t: A.pld_bracket(A.dpsgd_event(q, s, t), delta))
+    jax.block_until_ready(f(q, s, t))
+    t0 = time.perf_counter()
+    b = jax.block_until_ready(f(q, s, t))
+    ours = (time.perf_counter() - t0) / len(TABLE)
+    print(f"five-configuration table, delta={delta:g}: jaxdp bracket (upper + lower) {ours * 1e3:.1f} ms/config")
+    print("| (q, σ, steps) | jaxdp upper (2^14) | dp_accounting 1e-5 | rel. | dp_accounting 1e-4 | rel. | "
+          "jaxdp lower | lower/upper | dp_accounting 1e-4 time |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for i, (qi, si, ti) in enumerate(TABLE):
+        fine = _dpa_epsilon(qi, si, ti, delta, interval=1e-5)
+        t0 = time.perf_counter()
+        coarse = _dpa_epsilon(qi, si, ti, delta, interval=1e-4)
+        c_t = time.perf_counter() - t0
+        up, lo = float(b.upper[i]), float(b.lower[i])
+        print(f"| ({qi:.5g}, {si}, {ti}) | {up:.6f} | {fine:.6f} | {up / fine - 1:+.1e} | {coarse:.6f} | "
+              f"{coarse / fine - 1:+.1e} | {lo:.4f} | {lo / up:.3f} | {c_t * 1e3:.0f} ms |", flush=True)
+    try:
+        import opake_accounting  # noqa: F401  (Python 3.13 wheels only)
+    except Exception as exc:
+        print(f"opake-accounting: skipped ({type(exc).__name__}: {exc})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", type=int, default=1000)
     ap.add_argument("--sample", type=int, default=20, help="peer configurations timed (extrapolated)")
     ap.add_argument("--delta", type=float, default=1e-5)
+    ap.add_argument("--no-table", action="store_true", help="skip the five-configuration accuracy table")
+    ap.add_argument("--no-calibration", action="store_true", help="skip the calibration timing")
     args = ap.parse_args()
     jax.config.update("jax_enable_x64", True)
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, jax {jax.__version__}, "
-          f"backend {jax.default_backend()}")
+          f"backend {jax.default_backend()}, load average {os.getloadavg()[0]:.1f}")
+    if not args.no_table:
+        _table(args.delta)
     q, s, t = _grid(args.configs)
     f = jax.jit(lambda q, s, t: A.epsilon(A.dpsgd_event(q, s, t), args.delta, accountant="pld"))
     t0 = time.perf_counter()
@@ -87,6 +126,8 @@ def main() -> None:
               f"jaxdp - Opacus: {min(oerr) * 100:+.3f}% .. {max(oerr) * 100:+.3f}%; speed-up {op_t / ours:.1f}x")
     except Exception as exc:  # opacus not installed or failing on a configuration
         print(f"Opacus PRV: skipped ({type(exc).__name__}: {exc})")
+    if args.no_calibration:
+        return
     # Calibration of σ for ε = 1 (q = 256/60000, 14040 steps).
     cal = jax.jit(lambda e: A.calibrate_noise_multiplier(e, 256 / 60000, 14040, args.delta, accountant="pld"))
     t0 = time.perf_counter()

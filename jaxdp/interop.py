@@ -104,7 +104,8 @@ def to_dp_event(event: ev.Event) -> DpEventWithRelation:
       accountant built with the matching ``NeighboringRelation``.
 
     Raises:
-      ValueError: for a :class:`~jaxdp.accounting.PNSGD` event (no counterpart), a batch,
+      ValueError: for a :class:`~jaxdp.accounting.PNSGD` or :class:`~jaxdp.accounting.ApproxDP` event
+        (no counterpart in dp_accounting 0.6), a batch,
         or mixed relations.
 
     Examples:

@@ -37,7 +37,7 @@ GLOSSARY = {
     # randomness: the public order and the secret noise key
     "key", "order_seed", "noise_seed", "seed", "checkpoint_key",
     # PLD accounting: static grid options
-    "grid_size", "tail_bound", "estimate",
+    "grid_size", "tail_bound", "estimate", "fallback",
     # trade-off curves: false-positive rates and the ε grid of the PLD profile
     "fpr", "epsilons",
     # empirical auditing (jaxdp.audit)

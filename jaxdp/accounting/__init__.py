@@ -46,6 +46,7 @@ from ._dpsgd import dpsgd_epsilon as dpsgd_epsilon
 from ._dpsgd import schedule_epsilon as schedule_epsilon
 from ._events import DPSBCD as DPSBCD
 from ._events import PNSGD as PNSGD
+from ._events import ApproxDP as ApproxDP
 from ._events import RELATIONS as RELATIONS
 from ._events import Composed as Composed
 from ._events import Event as Event
@@ -104,6 +105,7 @@ __all__ = [
     "Event",
     "Gaussian",
     "Laplace",
+    "ApproxDP",
     "PoissonSampled",
     "SelfComposed",
     "Composed",

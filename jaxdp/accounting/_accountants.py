@@ -8,7 +8,7 @@ An accountant turns an event tree (``_events.py``) into ε or δ. Two are regist
   (``compose=False`` only checks, eagerly, before the leaves are checked). A lone
   :class:`PNSGD` run gets its own (ε, δ) analyses, tighter than its curve.
 * ``"pld"``: privacy loss distributions composed by FFT (``_pld.py``, which imports the
-  event tree only), with its options ``grid_size``, ``tail_bound`` and ``estimate``.
+  event tree only), with its options ``grid_size``, ``tail_bound``, ``estimate`` and ``fallback``.
 
 :func:`register_accountant` adds others. Per-record PNSGD ε (:func:`pnsgd_record_epsilon`)
 is here too: the theorem functions receive the run's constants from the event by name
@@ -38,6 +38,7 @@ from ._dpsbcd import dpsbcd_rdp
 from ._events import (
     DPSBCD,
     PNSGD,
+    ApproxDP,
     Composed,
     Event,
     Gaussian,
@@ -141,6 +142,9 @@ def _rdp_compose(event: Event, orders: np.ndarray, path: str = "event", compose:
         for part in parts:
             total = total + part
         return total
+    if isinstance(event, ApproxDP):
+        raise ValueError(f"{path}: an ApproxDP (epsilon, delta) guarantee has no RDP curve for delta > 0; use "
+                         "accountant='pld'.")
     if isinstance(event, PNSGD):
         _check_pnsgd_support(event, path)
         return _pnsgd_rdp(event, orders) if compose else None
@@ -374,7 +378,7 @@ def _prepare(event: Event, acc: _Accountant) -> None:
 
 @float64
 def epsilon(event: Event, delta, *, orders=DEFAULT_ORDERS, accountant: str = "rdp", grid_size: int | None = None,
-            tail_bound: float | None = None, estimate: str | None = None) -> jax.Array:
+            tail_bound: float | None = None, estimate: str | None = None, fallback: str | None = None) -> jax.Array:
     r"""ε at which the event is (ε, δ)-DP under its neighbouring relation.
 
     With ``accountant="rdp"`` (default): the RDP curves of the tree compose additively and
@@ -385,10 +389,11 @@ def epsilon(event: Event, delta, *, orders=DEFAULT_ORDERS, accountant: str = "rd
     With ``accountant="pld"``: the privacy loss distribution composed by FFT,
     :math:`ε = \min\{ε ≥ 0 : δ_ω(ε) ≤ δ\}` for the composed discrete PLD ω, a certified
     upper bound by default (connect-the-dots, Doroshenko et al. 2022; see
-    ``docs/pld.md``). It covers ``Gaussian``, ``Laplace``, ``PoissonSampled(q,
-    Gaussian(...))`` (add/remove-one) and their compositions; where the grid cannot
-    certify δ, eagerly a ``ValueError``, under ``jit`` +inf. Both bounds at once:
-    :func:`pld_bracket`.
+    ``docs/pld.md``). It covers ``Gaussian``, ``Laplace``, ``ApproxDP`` (external (ε, δ)
+    guarantees), ``PoissonSampled(q, inner)`` (add/remove-one) of a ``Gaussian`` (also
+    self-composed), ``Laplace`` or ``ApproxDP``, and their compositions; where
+    the grid cannot certify δ, the RDP accountant's ε (``fallback="rdp"``, eagerly with a
+    ``UserWarning``). Both bounds at once: :func:`pld_bracket`.
 
     Args:
       event: a privacy event (a batch of events if its leaves have leading axes).
@@ -398,12 +403,16 @@ def epsilon(event: Event, delta, *, orders=DEFAULT_ORDERS, accountant: str = "rd
       accountant: a registered accountant name (static): ``"rdp"`` (default), ``"pld"``,
         or one added by :func:`register_accountant`.
       grid_size: ``"pld"`` only: static number of loss bins, a power of two (default
-        :data:`PLD_GRID_SIZE`); the upper bound's error shrinks like 1/n², time grows
-        like n log n.
-      tail_bound: ``"pld"`` only: static mass allowed outside the window (default
-        :data:`PLD_TAIL_BOUND`); the mass actually outside is certified and added to δ.
+        :data:`PLD_GRID_SIZE` = 2^14); the upper bound's error shrinks like 1/n², time
+        grows like n log n.
+      tail_bound: ``"pld"`` only: static cap on the mass the plan leaves outside the grid
+        (default :data:`PLD_TAIL_BOUND` = 1e-6, used as min(tail_bound, 1e-4·δ)); the
+        mass actually outside is certified and added to δ.
       estimate: ``"pld"`` only: ``"upper"`` (default, a certified upper bound on ε) or
         ``"lower"`` (a certified lower bound, privacy buckets rounded down).
+      fallback: ``"pld"`` only: ``"rdp"`` (default; where the grid cannot certify δ, the
+        RDP accountant's ε, eagerly with a ``UserWarning``) or ``"none"`` (+inf there,
+        eagerly a ``ValueError``).
 
     Returns:
       float64 ε ≥ 0 of the broadcast batch shape. Unsupported event types or relations
@@ -426,7 +435,8 @@ def epsilon(event: Event, delta, *, orders=DEFAULT_ORDERS, accountant: str = "rd
       >>> round(float(e), 3)  # exact (μ = 1 Gaussian DP): 4.377
       4.377
     """
-    acc, options = _lookup(accountant, grid_size=grid_size, tail_bound=tail_bound, estimate=estimate)
+    acc, options = _lookup(accountant, grid_size=grid_size, tail_bound=tail_bound, estimate=estimate,
+                           fallback=fallback)
     _prepare(event, acc)
     _validate.check_delta(delta)
     orders_np = _validate.concrete_orders(orders)

@@ -41,6 +41,7 @@ __all__ = [
     "Event",
     "Gaussian",
     "Laplace",
+    "ApproxDP",
     "PoissonSampled",
     "SelfComposed",
     "Composed",
@@ -115,6 +116,31 @@ class Laplace(Event):
 
     def __post_init__(self):
         _check_relation("Laplace", self.relation)
+
+
+@_event(data=("epsilon", "delta"), meta=("relation",))
+class ApproxDP(Event):
+    r"""An external (ε, δ)-DP guarantee (a mechanism known only by its privacy parameters).
+
+    Its dominating pair (Kairouz, Oh, Viswanath 2015; dp_accounting's
+    ``from_privacy_parameters``): P puts δ on a point Q misses, and (1 - δ)e^ε/(1 + e^ε),
+    (1 - δ)/(1 + e^ε) on two points where Q puts them swapped; every (ε, δ)-DP mechanism is
+    a post-processing of it, so it composes exactly under the PLD accountant
+    (``accountant="pld"``, also Poisson-sampled). It has no RDP curve for δ > 0.
+
+    Attributes:
+      epsilon: ε ≥ 0 (a leaf).
+      delta: δ in [0, 1) (a leaf).
+      relation: ``"add_remove"`` (default) or ``"replace_one"`` (static): the relation the
+        guarantee holds under.
+    """
+
+    epsilon: Any
+    delta: Any
+    relation: str = "add_remove"
+
+    def __post_init__(self):
+        _check_relation("ApproxDP", self.relation)
 
 
 @_event(data=("q", "event"), meta=())
@@ -322,7 +348,7 @@ def relation_of(event: Event) -> str:
       >>> jaxdp.accounting.relation_of(jaxdp.accounting.dpsgd_event(0.01, 1.0, 100))
       'add_remove'
     """
-    if isinstance(event, (Gaussian, Laplace, PNSGD, DPSBCD)):
+    if isinstance(event, (Gaussian, Laplace, ApproxDP, PNSGD, DPSBCD)):
         return event.relation
     if isinstance(event, (PoissonSampled, SelfComposed)):
         return relation_of(event.event)
@@ -344,6 +370,9 @@ def check_leaves(event: Event, path: str = "event") -> None:
     chk = _validate.check_in_range
     if isinstance(event, (Gaussian, Laplace)):
         chk(f"{path}.noise_multiplier ({type(event).__name__})", event.noise_multiplier, 0.0, math.inf, lo_open=True)
+    elif isinstance(event, ApproxDP):
+        chk(f"{path}.epsilon (ApproxDP)", event.epsilon, 0.0, math.inf)
+        chk(f"{path}.delta (ApproxDP)", event.delta, 0.0, 1.0, hi_open=True)
     elif isinstance(event, PoissonSampled):
         chk(f"{path}.q (PoissonSampled)", event.q, 0.0, 1.0)
         check_leaves(event.event, f"{path}.event")

@@ -1,0 +1,428 @@
+r"""PLD composition in the exponentially tilted domain, and the δ(ε) / ε(δ) read-outs.
+
+:func:`compose` takes mechanisms as ``(kind, params, count)`` (see ``_pld_curves``), plans a
+window and a tilt from the event and the query (:func:`_plan`), composes by FFT and returns
+per direction a :class:`Composed` (masses on loss bins plus the mass counted at +∞);
+:func:`delta_read` and :func:`epsilon_read` answer from it. This is the internal API a new
+event's PLD calls: build its components, ``compose(kinds, params, counts, n, tau, estimate,
+query, what)``, then read. Proof sketch: the module docstring of ``_pld.py`` and docs/pld.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._numerics import f64
+from ._pld_curves import directions, masses, safe_pow
+
+_U = float(np.finfo(np.float64).eps)
+# The plan's coarse pass: bins per mechanism, and the ladder of tilts θ (times 1/span).
+_COARSE = 1024
+_THETAS = 2.0 ** (np.arange(-6, 37) / 2.0)
+# Chernoff exponents for the certified tail masses, as multiples of the tilt λ.
+_THETA_FACTORS = np.array([1.0, 1.5, 2.0, 3.0])
+# Mass the plan leaves to the certified tail bounds, relative to δ (the window's top, each
+# mechanism's +∞ mass summed over the composition).
+_ETA = 1e-4
+# The window's bottom: this many tilted standard deviations below the estimated answer.
+_Z_BOTTOM = 2.0
+_TINY = float(np.finfo(np.float64).tiny)
+# The window is at least (this - log δ)/λ wide: what the circular convolution folds up from
+# below (at most e^{-λW}) stays below δ·e^{-9}.
+_FOLD_LOG = 9.0
+# Extensions of the window below the answer's estimate, in units of its span (the plan).
+_EXTEND = np.concatenate([[0.0], 2.0 ** (np.arange(0, 24) / 2.0) - 0.75])
+_FOLD_LOG_LOWER = 4.6
+# The plan widens the Chernoff plan's window at most this many times to keep folds negligible.
+_MAX_WIDEN = 4.0
+
+
+class Composed(NamedTuple):
+    probs: jax.Array  # (n,) masses on bins (A + j) h
+    losses: jax.Array  # (n,) the bin losses
+    extra: jax.Array  # mass counted as +∞ (upper: ∞-mass + tail) or subtracted (lower)
+    fold: object = None  # lower bound: ε ↦ bound on the mass folded down onto losses > ε
+
+
+def _single_range(kind, params, direction, z):
+    """Loss range [b, t] of one mechanism outside which each tail has mass ≤ Φ̄(z) (a placement).
+
+    Gaussian (μ = 1/σ): L ~ N(μ²/2, μ²). Laplace: L ∈ [-1/b, 1/b]; (ε, δ) pair: ±ε (and
+    +∞). Poisson sampling of an inner loss range [lo, hi]: remove, L = log(1 - q + q e^g)
+    with g in the inner range (or below: log(1 - q) bounds it); add, L = -log(1 - q + q e^g).
+    Mass below b is moved up to the grid (the chord), mass above t goes to +∞ (exactly,
+    δ(top)): the range only places the grid, it certifies nothing.
+    """
+    if kind == "laplace":
+        inv = 1.0 / params[0]
+        return -inv, inv
+    if kind == "approx_dp":
+        return -params[0], params[0]
+    if kind == "gaussian":
+        mu = 1.0 / params[-1]
+        return 0.5 * mu * mu - z * mu, 0.5 * mu * mu + z * mu
+    q = jnp.clip(params[0], 1e-300, 1.0)
+    lq = jnp.log1p(-jnp.minimum(q, 1.0 - 1e-16))
+    lq = jnp.where(q < 1.0, lq, -1e300)
+    logq = jnp.log(q)
+    if kind == "sampled_gaussian":
+        mu = 1.0 / params[-1]
+        if direction == "remove":
+            b = jnp.maximum(lq, logq - 0.5 * mu * mu - z * mu)
+            t = jnp.logaddexp(lq, logq + mu * z + 0.5 * mu * mu)
+        else:
+            t = jnp.minimum(-lq, -logq + 0.5 * mu * mu + z * mu)
+            b = -jnp.logaddexp(lq, logq + mu * z - 0.5 * mu * mu)
+        return b, t
+    if kind == "sampled_laplace":
+        lo, hi = -1.0 / params[1], 1.0 / params[1]
+    else:  # sampled_approx_dp: ±ε (the point only Q charges, mass ≤ δ, is left off the grid)
+        lo, hi = -params[1], params[1]
+    lo_s = jnp.logaddexp(lq, logq + lo)
+    hi_s = jnp.logaddexp(lq, logq + hi)
+    return (lo_s, hi_s) if direction == "remove" else (-hi_s, -lo_s)
+
+
+def _lse(logp, x):
+    """log Σ_i exp(logp_i + x_i) along the last axis (-inf for no mass; logp may be -inf)."""
+    v = jnp.where(jnp.isfinite(logp), logp + x, -jnp.inf)
+    m = jax.lax.stop_gradient(jnp.max(v, axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    s = jnp.sum(jnp.exp(v - m), axis=-1)
+    pos = s > 0
+    return jnp.where(pos, jnp.log(jnp.where(pos, s, 1.0)) + m[..., 0], -jnp.inf)
+
+
+def _cut(o, t, h, n):
+    """The grid point (o + i)h, i < n, at or just above the loss t (the grid's end)."""
+    i = jnp.clip(jnp.ceil(t / h - o), 1.0, n - 1.0)
+    return (o + i) * h
+
+
+def _plan(kinds, params, counts, direction_list, query, what, tau, n):
+    """The grid spacing, and per direction the tilt λ and the window's top (all estimates).
+
+    A coarse pass (``_COARSE`` bins per mechanism) gives the discrete log moment generating
+    function Λ(θ) = Σ_c k_c log Σ_i p_{c,i} e^{θ ℓ_i} on a ladder of θ. For ε(δ) the
+    Chernoff point ε_ch = min_θ (Λ(θ) - log δ)/θ and its θ are the tilt's centre; the
+    answer lies a little below (saddle point, ε_ch - log(λ s √(2π))/λ, s² the tilted
+    variance); the window covers [answer - 2 s, Chernoff point at δ·η]. For δ(ε) the
+    window starts just below ε. The spacing is the larger of that span and every
+    mechanism's own range over n - 2 bins. Nothing here needs to be exact: the result is
+    certified for any plan (see :func:`compose`); the plan only makes it tight.
+    """
+    ks = [jnp.where(jnp.isfinite(k) & (k >= 0), k, 0.0) for k in counts]
+    k_tot = jnp.maximum(sum(ks), 1.0)
+    if what == "epsilon":
+        log_dt = jnp.log(jnp.clip(query, 1e-300, 1.0))
+    else:
+        log_dt = None
+    log_tau = jnp.log(tau)
+
+    def z_of(log_dt_):
+        log_t1 = jnp.minimum(log_tau, log_dt_ + math.log(_ETA)) - jnp.log(k_tot)
+        return jnp.sqrt(2.0 * jnp.maximum(-log_t1, 1.0))
+
+    # Single ranges, with the tail mass from δ (for δ(ε) from a first guess at ε: tail_bound).
+    z = z_of(log_dt) if log_dt is not None else z_of(log_tau - math.log(_ETA))
+    ranges = {d: [_single_range(kd, p, d, z) for kd, p in zip(kinds, params)] for d in direction_list}
+    span_s = jnp.max(jnp.stack([t - b for d in direction_list for b, t in ranges[d]]))
+    span_s = jnp.where(jnp.isfinite(span_s) & (span_s > 0), span_s, 1.0)
+    n1 = _COARSE
+    h1 = span_s / (n1 - 2)
+    j1 = jnp.arange(n1, dtype=jnp.float64)
+    thetas = f64(_THETAS) / span_s
+    plans, spans = {}, []
+    log_m = math.log(8.0 * _U * (math.log2(n) + 2.0) * (math.sqrt(2.0 * n) + 1.0) + 4.0 * n * _U) + jnp.log1p(k_tot)
+    for d in direction_list:
+        lam_mgf = jnp.zeros(thetas.shape)
+        neg_mgf = jnp.zeros(thetas.shape)
+        parts = []
+        for kd, p_, k, (b, _) in zip(kinds, params, ks, ranges[d]):
+            o1 = jnp.floor(b / h1)
+            grid = (o1 + j1) * h1
+            p, _ = masses(kd, p_, grid, h1, d, "upper", _cut(o1, ranges[d][len(parts)][1], h1, n1))
+            logp = jnp.where(p > 0, jnp.log(jnp.where(p > 0, p, 1.0)), -jnp.inf)
+            lam_mgf = lam_mgf + k * _lse(logp[None, :], thetas[:, None] * grid[None, :])
+            neg_mgf = neg_mgf + k * _lse(logp[None, :], -thetas[:, None] * grid[None, :])
+            parts.append((logp, grid, k))
+        if what == "epsilon":
+            obj = (lam_mgf - log_dt) / thetas
+        else:
+            obj = lam_mgf - thetas * query
+        best = jnp.min(obj)
+        lam = jnp.max(jnp.where(obj <= best, thetas, 0.0))  # (no argmin, see epsilon_read)
+        # The round-off's reference loss: the Chernoff point (above the answer), or ε itself.
+        ref = best if what == "epsilon" else query
+        if what == "delta":
+            log_dt = jnp.minimum(best, 0.0)
+        # Tilted variance at λ.
+        var = jnp.zeros(())
+        for logp, grid, k in parts:
+            a = _lse(logp, lam * grid)
+            w = jnp.exp(jnp.where(jnp.isfinite(logp), logp + lam * grid - a, -jnp.inf))
+            m = jnp.sum(w * grid)
+            var = var + k * jnp.sum(w * (grid - m) ** 2)
+        s = jnp.sqrt(jnp.maximum(var, 0.0))
+        # Top: the Chernoff point at δ·η (mass above it is certified and negligible).
+        top_obj = (lam_mgf - (log_dt + math.log(_ETA))) / thetas
+        top = jnp.min(top_obj)
+        th_top = jnp.max(jnp.where(top_obj <= top, thetas, 0.0))
+        if what == "epsilon":
+            centre = best - jnp.log(jnp.maximum(lam * s * math.sqrt(2.0 * math.pi), 1.0)) / lam
+            bottom = centre - _Z_BOTTOM * s
+        else:
+            bottom = query - 2.0 * h1
+        # The window [top - W, top] and the tilt λ: the narrowest W of a ladder of extensions
+        # below ``bottom`` (then the smallest λ of the ladder) for which three error terms are
+        # negligible at the answer's lower estimate ε_b = bottom: mass folded down from above,
+        # e^{λW} P(L > ε_b + W) ≤ δe^{-9} (a steep tilt on a narrow window folds mass from far
+        # above onto the answer); mass folded up from below, e^{-λW} P(L < top - W) ≤ δe^{-9};
+        # and the round-off bound m, untilted over the bins above the Chernoff point, ≤ δe^{-7}.
+        base = jnp.maximum(top - bottom, h1)
+        b_c = bottom - base * f64(_EXTEND)
+        w_c = top - b_c
+        log_below = jnp.minimum(jnp.min(neg_mgf[None, :] + thetas[None, :] * b_c[:, None], axis=1), 0.0)
+        fu = log_below[:, None] - thetas[None, :] * w_c[:, None] <= log_dt - _FOLD_LOG
+        # min over θ > λ of Λ(θ) - θ ε_b - (θ - λ)W: a suffix minimum over the (increasing)
+        # ladder of Λ(θ) - θ(ε_b + W), shifted by one, plus λW.
+        b_ex = (lam_mgf - thetas * bottom)[None, :] - thetas[None, :] * w_c[:, None]  # [W, θ]
+        suffix = jax.lax.cummin(b_ex, axis=1, reverse=True)
+        after = jnp.concatenate([suffix[:, 1:], jnp.full((suffix.shape[0], 1), jnp.inf)], axis=1)
+        fd = after + thetas[None, :] * w_c[:, None] <= log_dt - _FOLD_LOG
+        h_c = jnp.maximum(span_s, w_c) / (n - 2)
+        bins = jnp.log(jnp.minimum(float(n), 1.0 + 1.0 / (thetas[None, :] * h_c[:, None])))
+        r_obj = log_m + (lam_mgf - thetas * ref)[None, :] + bins
+        rd = r_obj <= log_dt - 7.0
+        # Only windows up to _MAX_WIDEN times the Chernoff plan's (wider ones cost accuracy).
+        w_fit = top - jnp.max(jnp.where(-lam * w_c + log_below <= log_dt - _FOLD_LOG, b_c, b_c[-1]))
+        near = (w_c <= _MAX_WIDEN * jnp.maximum(w_fit, span_s))[:, None]
+        all3 = fd & fu & rd & near
+        e_idx = f64(np.arange(len(_EXTEND)))
+        e_star = jnp.min(jnp.where(jnp.any(all3, axis=1), e_idx, 1e9))
+        # Where no window and tilt of the ladder fit, the Chernoff plan: the answer's tilt and
+        # the narrowest window whose fold from below fits (what the bounds cannot certify is
+        # then only less tight, never invalid).
+        found = e_star < 1e9
+        sel = (e_idx == e_star)[:, None]
+        lam = jnp.where(found, jnp.min(jnp.where(sel & all3, thetas[None, :], jnp.inf)), lam)
+        plans[d] = (lam, top, bottom, log_dt, th_top)
+        spans.append(jnp.where(found, jnp.sum(jnp.where(sel[:, 0], w_c, 0.0)), w_fit))
+    span_c = jnp.max(jnp.stack(spans))
+    return span_s, span_c, plans, z
+
+
+def compose(kinds, params, counts, n, tau, estimate, query, what):
+    r"""Per direction, the composed discrete PLD on a window, computed in the tilted domain.
+
+    Each mechanism's masses :math:`p_{c,i}` on its grid :math:`ℓ_i = (o_c + i)h` are tilted,
+    :math:`\tilde p_{c,i} = p_{c,i} e^{λℓ_i - a_c}` with :math:`a_c = \log\sum_i p_{c,i}e^{λℓ_i}`
+    (a distribution again), composed by FFT, and untilted:
+    :math:`r_ℓ = \tilde r_ℓ e^{Λ - λℓ}`, Λ = Σ_c k_c a_c, exactly so in exact arithmetic.
+    Round-off :math:`\|\tilde r - \tilde r^{fl}\|_∞ ≤ m` (normwise bound, Higham §24.1) is
+    added to (upper) or subtracted from (lower) every tilted bin before untilting, so the
+    error of each composed mass is relative to :math:`e^{Λ - λℓ}`, i.e. to the hockey
+    stick near the tilt's centre, whatever δ. The circular convolution on n bins of width
+    W = nh moves mass below the window up by W, scaled by :math:`e^{-λW}` (extra mass: the
+    upper bound stays valid; the lower bound subtracts at most
+    :math:`e^{-λW}/(1 - e^{-λW})`), and mass above the window down by W, scaled by
+    :math:`e^{λW}` (extra mass for the upper bound; the lower bound subtracts a per-bin
+    Chernoff bound). The mass really above the window is added to δ in full (Chernoff,
+    :math:`\min_θ e^{Λ(θ) - θ\,top}` from the discrete moment generating functions).
+    Mass below the window has loss below every ε read off it (ε is never reported below
+    the window's bottom), so it does not count.
+    """
+    dirs = directions(kinds)
+    span_s, span_c, plans, z = _plan(kinds, params, counts, dirs, query, what, tau, n)
+    span_s, span_c = jax.lax.stop_gradient((span_s, span_c))
+    h = jnp.maximum(span_s, span_c) / (n - 2)
+    h = jnp.where(jnp.isfinite(h) & (h > 0), h, 1.0)
+    w_all = n * h
+    j = jnp.arange(n, dtype=jnp.float64)
+    out = []
+    for direction in dirs:
+        lam, top_need, bottom_need, log_dt, th_top = jax.lax.stop_gradient(plans[direction])
+        # Tilt at least so much that the folded-up bulk (≤ e^{-λW}) is far below δ.
+        if estimate == "lower":  # a smaller tilt folds less mass down (see _fold_down)
+            lam = jnp.minimum(lam, jnp.maximum((_FOLD_LOG_LOWER - log_dt) / w_all, 0.5 * lam))
+        lam = jnp.minimum(lam, 600.0 / w_all)
+        # The window: the top at the Chernoff point, unless the span is shorter than W (then
+        # the window is extended below; for δ(ε), the bottom stays just below ε).
+        # Privacy buckets round each loss down, by h/2 on average: the lower bound's
+        # composed loss sits about Σ_c k_c h/2 lower.
+        shift = sum(jnp.where(jnp.isfinite(k), k, 0.0) for k in counts) * h / 2 if estimate == "lower" else 0.0
+        if what == "delta":  # keep ε inside the window
+            shift = jnp.minimum(shift, jnp.maximum(top_need - bottom_need - 2.0 * h, 0.0))
+        a0 = jnp.ceil((top_need - jax.lax.stop_gradient(shift)) / h) - (n - 1)
+        losses = (a0 + j) * h
+        spec = jnp.ones((n // 2 + 1,), dtype=jnp.complex128)
+        offset = jnp.zeros(())
+        log_keep_inf = jnp.zeros(())
+        big_lam = jnp.zeros(())
+        # Chernoff exponents: the tilt and multiples (the lower bound's fold-down uses those
+        # above λ), and the plan's exponent for the window's top.
+        thetas = jnp.concatenate([lam * f64(_THETA_FACTORS), jnp.maximum(th_top, lam)[None] * f64([1.0, 1.5])])
+        log_mgf = jnp.zeros(thetas.shape)
+        neg_mgf = jnp.zeros(thetas.shape)
+        norm_term = jnp.zeros(())
+        for kd, p_, k in zip(kinds, params, counts):
+            kf = jnp.where(jnp.isfinite(k), k, 0.0)
+            b1, t1 = jax.lax.stop_gradient(_single_range(kd, p_, direction, z))
+            o = jnp.floor(b1 / h)
+            grid = (o + j) * h
+            # The grid ends at the mechanism's planned top (as in the plan): above it the
+            # moment generating function would be dominated by far tails that cost little δ.
+            p, p_inf = masses(kd, p_, grid, h, direction, estimate, _cut(o, t1, h, n))
+            logp = jnp.where(p > 0, jnp.log(jnp.where(p > 0, p, 1.0)), -jnp.inf)
+            a = _lse(logp, lam * grid)
+            pt = jnp.exp(jnp.where(p > 0, logp + lam * grid - a, -jnp.inf))
+            c = jnp.fft.rfft(pt)
+            spec = spec * safe_pow(c, k)
+            offset = offset + k * o
+            big_lam = big_lam + kf * a
+            log_keep_inf = log_keep_inf + k * jnp.log1p(-jnp.minimum(p_inf, 1.0 - 1e-16))
+            log_mgf = log_mgf + kf * _lse(logp[None, :], thetas[:, None] * grid[None, :])
+            if estimate == "lower":
+                neg_mgf = neg_mgf + kf * _lse(logp[None, :], -thetas[:, None] * grid[None, :])
+            norm_term = norm_term + k * jax.lax.stop_gradient(jnp.sqrt(jnp.sum(pt * pt)))
+        # Roll the circular result so that entry j is bin a0 + j: multiply by a phase
+        # (an elementwise product; (f·s) mod n is exact in float64 for n ≤ 2^26).
+        s = jnp.mod(a0 - offset, n)
+        f = jnp.arange(n // 2 + 1, dtype=jnp.float64)
+        phase = 2.0 * math.pi * jnp.mod(f * s, n) / n
+        r_t = jnp.fft.irfft(spec * jnp.exp(1j * phase), n)
+        # The rounding margin carries no derivative (it is a bound on round-off).
+        spec_norm = jnp.sqrt(2.0 * jnp.sum(jnp.abs(jax.lax.stop_gradient(spec)) ** 2))
+        margin = 8.0 * _U * (math.log2(n) + 2.0) * (1.0 + norm_term) * (spec_norm + 1.0) + 4.0 * n * _U
+        p_inf_tot = -jnp.expm1(log_keep_inf)
+        top = (a0 + n) * h  # smallest loss above the window
+        log_scale = big_lam - lam * losses
+        if estimate == "upper":
+            t_up = jnp.exp(jnp.minimum(jnp.min(log_mgf - thetas * top), 0.0))
+            mass = jnp.maximum(r_t, 0.0) + margin
+            probs = jnp.exp(jnp.minimum(jnp.log(mass) + log_scale, 0.0))
+            # Bins whose mass underflows lose at most n times the smallest normal.
+            extra = p_inf_tot + t_up + n * _TINY
+            fold = None
+        else:
+            mass = jnp.maximum(r_t - margin, 0.0)
+            logm = jnp.where(mass > 0, jnp.log(jnp.where(mass > 0, mass, 1.0)), -jnp.inf)
+            probs = jnp.exp(jnp.minimum(logm + log_scale, 0.0))
+            # Mass below the window folded up by mW, scaled by e^{-λmW}: at most
+            # P(L < bottom) e^{-λW}/(1 - e^{-λW}), P(L < b) ≤ min_θ e^{Λ(-θ) + θb}.
+            bottom = a0 * h
+            log_below = jnp.minimum(jnp.min(neg_mgf + thetas * bottom), 0.0)
+            extra = -jnp.exp(log_below - lam * w_all) / -jnp.expm1(-lam * w_all)
+            fold = functools.partial(_fold_down, log_mgf[1:], thetas[1:], lam, w_all)
+        out.append(Composed(probs, losses, extra, fold))
+    return out
+
+
+def _fold_down(log_mgf, thetas, lam, w_all, eps):
+    r"""Bound on the mass the circular convolution folds down onto losses > ε (lower bound).
+
+    Mass at ℓ + mW lands at ℓ, multiplied by :math:`e^{λmW}`; it lands above ε only from
+    above ε + mW: :math:`\sum_m e^{λmW} P(L > ε + mW) ≤ e^{Λ(θ) - θ(ε+W) + λW}/(1 - e^{-(θ-λ)W})`
+    for every θ > λ (Chernoff).
+    """
+    eps = jnp.asarray(eps)
+    d = thetas - lam
+    ex = (log_mgf - thetas * (eps[..., None] + w_all) + lam * w_all - jnp.log(-jnp.expm1(-d * w_all)))
+    return jnp.exp(jnp.minimum(jnp.min(ex, axis=-1), 0.0))
+
+
+def delta_read(c: Composed, eps, estimate):
+    w = -jnp.expm1(jnp.minimum(eps - c.losses, 0.0))
+    w = jnp.where(c.losses > eps, w, 0.0)
+    d = jnp.sum(c.probs * w) + c.extra
+    if c.fold is not None:
+        d = d - c.fold(eps)
+    if estimate == "upper":  # below the window's bottom (never planned so) nothing is certified
+        d = jnp.where(eps >= c.losses[0] - (c.losses[1] - c.losses[0]), d, 1.0)
+    return jnp.clip(d, 0.0, 1.0)
+
+
+_BLOCK = 256
+
+
+def _tail_sums(r, h):
+    r""":math:`S_j = \sum_{i>j} r_i` and :math:`D_j = \sum_{i>j} r_i e^{-(i-j)h}` for every j.
+
+    Blocked so that no exponential overflows: inside a block of m bins the weights are
+    :math:`e^{\pm k h}` with k < m, and the blocks are chained by a short scan. Where
+    :math:`m h > 600` some weights underflow to 0: D is then too small and δ = S - D too
+    large, which is the safe side for the upper bound (the lower bound is refused there).
+    """
+    n = r.shape[0]
+    m = min(_BLOCK, n)
+    nb = n // m
+    k = jnp.arange(m, dtype=jnp.float64)
+    rb = r.reshape(nb, m)
+    down = jnp.exp(-jnp.minimum((k + 1.0) * h, 700.0))  # e^{-(k+1)h}
+    up = jnp.exp(jnp.minimum(k * h, 700.0))  # e^{kh}
+    u = rb * down[None, :]
+    # Σ_{k' > k} u_{k'} within the block, then times e^{kh}·e^{h}... = Σ r e^{-(k'-k)h}.
+    suf_u = jnp.cumsum(u[:, ::-1], axis=1)[:, ::-1] - u
+    inner = suf_u * (up * jnp.exp(jnp.minimum(h, 700.0)))[None, :]
+    # Contribution of later blocks at the block's last element: E_b = G_{b+1} + e^{-mh} E_{b+1},
+    # G_b = Σ_k r_k e^{-(k+1)h} (distance from the element before the block).
+    g = jnp.sum(u, axis=1)
+    decay = jnp.exp(-jnp.minimum(m * h, 700.0))
+
+    def step(carry, gb):
+        return gb + decay * carry, carry
+
+    _, e_after = jax.lax.scan(step, jnp.zeros(()), g, reverse=True)
+    # e_after[b] = E_b: later blocks seen from the last element of block b.
+    outer = e_after[:, None] * jnp.exp(-jnp.minimum((m - 1.0 - k) * h, 700.0))[None, :]
+    d = (inner + outer).reshape(n)
+    s_incl = jnp.cumsum(r[::-1])[::-1]
+    return s_incl - r, d
+
+
+def epsilon_read(c: Composed, target):
+    """Smallest ε ≥ 0 with δ(ε) ≤ target on the discrete curve (+inf if none on the grid).
+
+    Between bins ε_{j-1} < ε ≤ ε_j the curve is :math:`δ(ε) = X + S - e^{ε} T` with
+    S, T the sums of r_i and r_i e^{-ε_i} over i ≥ j: solved exactly there.
+    """
+    r, e = c.probs, c.losses
+    n = r.shape[0]
+    h = e[1] - e[0]
+    s_next, d_next = _tail_sums(r, h)
+    # The constant part of the curve on (ε_{j-1}, ε_j] (the lower bound's fold-down bound is
+    # taken at ε_{j-1}, its largest value there).
+    x = c.extra if c.fold is None else c.extra - c.fold(e - h)
+    d_at = x + s_next - d_next  # δ at ε = ε_j
+    # The first bin from which the curve stays ≤ target (the lower bound's curve need not be
+    # monotone; the true δ is, so δ(ε) ≥ the lower curve at every ε' ≥ ε).
+    ok = jnp.cumsum((d_at > target)[::-1])[::-1] == 0
+    any_ok = jnp.any(ok)
+    idx = jnp.arange(n, dtype=jnp.float64)
+    # (No argmax: its variadic reduction breaks reverse mode outside the float64 scope.)
+    first = jnp.min(jnp.where(ok, idx, float(n)))
+    onehot = (idx == first).astype(r.dtype)
+    # S and T e^{ε_j} over i ≥ j: S_j = s_next_j + r_j, D'_j = d_next_j + r_j.
+    s_star = jnp.sum(onehot * (s_next + r))
+    dd_star = jnp.sum(onehot * (d_next + r))
+    e_star = jnp.sum(onehot * e)
+    x_star = jnp.sum(onehot * x) if c.fold is not None else x
+    num = x_star + s_star - target
+    pos = (num > 0) & (dd_star > 0)
+    # X + S - e^{ε - ε_j} D' = target  ⇒  ε = ε_j + log((X + S - target)/D').
+    sol = jnp.where(pos, e_star + jnp.log(jnp.where(pos, num, 1.0)) - jnp.log(jnp.where(pos, dd_star, 1.0)),
+                    -jnp.inf)
+    sol = jnp.minimum(sol, e_star)  # δ(e_star) ≤ target was checked on the grid
+    # Never below the bin before: at the window's bottom ε_0 the mass below the window (not
+    # held) has losses ≤ ε_0 - h, so the curve is exact down to there and no further.
+    sol = jnp.maximum(sol, e_star - h)
+    out = jnp.maximum(sol, 0.0)
+    return jnp.where(any_ok & (c.extra < target), out, jnp.inf)
+
+

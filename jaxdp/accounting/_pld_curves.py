@@ -1,0 +1,265 @@
+r"""PLD building blocks: hockey-stick curves of the dominating pairs and their discretisation.
+
+Each supported mechanism (``kind``) has an exact hockey-stick curve δ(ε) (the upper bound's
+input) and a survival function P(L > ε) (the lower bound's). :func:`masses` turns either into
+masses on a uniform loss grid: connect-the-dots (Doroshenko et al. 2022, Algorithm 1; a
+dominating discrete pair) for the upper bound, privacy buckets rounded down (Meiser &
+Mohammadi 2018) for the lower bound. The composition lives in ``_pld_compose.py``, the event
+layer in ``_pld.py``.
+
+A new mechanism's PLD (e.g. a sampling scheme's) needs only its curve here: add a ``kind``
+to :func:`curve` (δ(ε) for ``"upper"``, P(L > ε) for ``"lower"``, in both directions if the
+pair is not symmetric) and a loss range to ``_pld_compose._single_range``; composition,
+tilting and the read-outs are generic.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from .._numerics import log_ndtr
+
+# =======================================================================================
+# Hockey-stick curves δ(ε) and survival functions P(L > ε) of the dominating pairs.
+# =======================================================================================
+
+
+def _delta_gauss(eps, mu):
+    """δ of N(μ,1) vs N(0,1): Φ(-ε/μ + μ/2) - e^ε Φ(-ε/μ - μ/2), as e^a(1 - e^{b-a})."""
+    a = log_ndtr(-eps / mu + mu / 2.0)
+    b = eps + log_ndtr(-eps / mu - mu / 2.0)
+    return jnp.exp(a) * -jnp.expm1(jnp.minimum(b - a, 0.0))
+
+
+def _survival_gauss(eps, mu):
+    return jnp.exp(log_ndtr(-eps / mu + mu / 2.0))
+
+
+def _sgm_y(eps, q, sign):
+    """y = log((e^{±ε} - 1 + q)/q) where defined (double-where outside), and the mask."""
+    lq = jnp.log1p(-q)  # -inf at q = 1
+    inside = (sign * eps > lq) if sign > 0 else (eps < -lq)
+    e_s = jnp.where(inside, eps, jnp.where(sign > 0, 1.0, -1.0) + jnp.where(jnp.isfinite(lq), sign * lq, 0.0))
+    y = jnp.log(jnp.expm1(sign * e_s) + q) - jnp.log(q)
+    return y, inside
+
+
+def _delta_sgm(eps, q, sigma, direction):
+    """δ of the Poisson-sampled Gaussian, remove (P = mixture) or add (Q = mixture) direction.
+
+    Remove: for ε > log(1-q), δ = q δ_G(y) with y = log((e^ε - 1 + q)/q), μ = 1/σ; else 1 - e^ε.
+    Add: for ε < -log(1-q), δ = (1 - (1-q)e^ε) δ_G(-y'), y' = log((e^{-ε} - 1 + q)/q); else 0.
+    (Substituting the threshold x* = σ²y + 1/2 of the monotone loss into
+    P(L > ε) - e^ε Q(L > ε) gives these Gaussian forms.)
+    """
+    mu = 1.0 / sigma
+    q_s = jnp.where(q > 0, q, 1.0)
+    if direction == "remove":
+        y, inside = _sgm_y(eps, q_s, 1)
+        d = jnp.where(inside, q_s * _delta_gauss(y, mu), -jnp.expm1(jnp.minimum(eps, 0.0)))
+    else:
+        y, inside = _sgm_y(eps, q_s, -1)
+        d = jnp.where(inside, -jnp.expm1(eps + jnp.log1p(-q_s)) * _delta_gauss(-y, mu), 0.0)
+    # q = 0: the loss is 0 (δ = (1 - e^ε)_+).
+    return jnp.where(q > 0, d, -jnp.expm1(jnp.minimum(eps, 0.0)))
+
+
+def _survival_sgm(eps, q, sigma, direction):
+    q_s = jnp.where(q > 0, q, 1.0)
+    if direction == "remove":
+        y, inside = _sgm_y(eps, q_s, 1)
+        z0, z1 = sigma * y + 0.5 / sigma, sigma * y - 0.5 / sigma
+        s = (1.0 - q_s) * jnp.exp(log_ndtr(-z0)) + q_s * jnp.exp(log_ndtr(-z1))
+        s = jnp.where(inside, s, 1.0)
+    else:
+        y, inside = _sgm_y(eps, q_s, -1)
+        s = jnp.where(inside, jnp.exp(log_ndtr(sigma * y + 0.5 / sigma)), 0.0)
+    return jnp.where(q > 0, s, jnp.where(eps < 0, 1.0, 0.0))
+
+
+def _delta_laplace(eps, b):
+    """δ of Lap(1, b) vs Lap(0, b): 1 - e^{ε/2 - 1/(2b)} on [-1/b, 1/b], 1 - e^ε below, 0 above."""
+    inv = 1.0 / b
+    mid = -jnp.expm1(jnp.minimum(eps / 2.0 - inv / 2.0, 0.0))
+    low = -jnp.expm1(jnp.minimum(eps, 0.0))
+    return jnp.where(eps >= inv, 0.0, jnp.where(eps <= -inv, low, mid))
+
+
+def _survival_laplace(eps, b):
+    inv = 1.0 / b
+    mid = 1.0 - 0.5 * jnp.exp(jnp.minimum(eps / 2.0 - inv / 2.0, 0.0))
+    return jnp.where(eps >= inv, 0.0, jnp.where(eps < -inv, 1.0, mid))
+
+
+
+def directions(kinds) -> tuple[str, ...]:
+    """Both add/remove directions where a kind is Poisson-sampled (an asymmetric pair), else one."""
+    return ("remove", "add") if any(k.startswith("sampled_") for k in kinds) else ("remove",)
+
+
+def _approx_dp_weights(eps0, d0):
+    """The masses (1 - δ)e^ε/(1 + e^ε) at loss ε and (1 - δ)/(1 + e^ε) at -ε of the (ε, δ) pair."""
+    low = (1.0 - d0) * jnp.exp(-jnp.logaddexp(0.0, eps0))
+    return (1.0 - d0) - low, low
+
+
+def _delta_approx_dp(eps, eps0, d0):
+    r"""δ of the (ε₀, δ₀) pair: :math:`δ_0 + (1-δ_0)[w_+(1 - e^{ε-ε_0})_+ + w_-(1 - e^{ε+ε_0})_+]`."""
+    hi, lo = _approx_dp_weights(eps0, d0)
+    return (d0 + hi * -jnp.expm1(jnp.minimum(eps - eps0, 0.0)) + lo * -jnp.expm1(jnp.minimum(eps + eps0, 0.0)))
+
+
+def _survival_approx_dp(eps, eps0, d0, strict=True):
+    """P(L > ε) (or P(L ≥ ε) with ``strict=False``) of the (ε₀, δ₀) pair's loss (δ₀ at +∞)."""
+    hi, lo = _approx_dp_weights(eps0, d0)
+    if strict:
+        return d0 + jnp.where(eps < eps0, hi, 0.0) + jnp.where(eps < -eps0, lo, 0.0)
+    return d0 + jnp.where(eps <= eps0, hi, 0.0) + jnp.where(eps <= -eps0, lo, 0.0)
+
+
+def _survival_laplace_ge(eps, b):
+    """P(L ≥ ε) of the Laplace pair (atoms at ±1/b)."""
+    inv = 1.0 / b
+    mid = 1.0 - 0.5 * jnp.exp(jnp.minimum(eps / 2.0 - inv / 2.0, 0.0))
+    return jnp.where(eps > inv, 0.0, jnp.where(eps <= -inv, 1.0, mid))
+
+
+def _inner(kind, params):
+    """(δ(ε), P(L > ε), P(L ≥ ε)) of the symmetric pair a ``sampled_<inner>`` kind samples."""
+    if kind == "sampled_laplace":
+        b = params[1]
+        return (lambda e: _delta_laplace(e, b), lambda e: _survival_laplace(e, b),
+                lambda e: _survival_laplace_ge(e, b))
+    e0, d0 = params[1], params[2]
+    return (lambda e: _delta_approx_dp(e, e0, d0), lambda e: _survival_approx_dp(e, e0, d0),
+            lambda e: _survival_approx_dp(e, e0, d0, strict=False))
+
+
+def _delta_sampled(kind, params, eps, direction):
+    r"""δ of Poisson sampling (rate q, add/remove-one) of a symmetric pair (P, Q) with curve δ_in.
+
+    Remove (P' = (1-q)Q + qP vs Q): :math:`H_{e^ε}(P'‖Q) = q\,δ_{in}(y)`,
+    :math:`e^y = (e^ε - 1 + q)/q`, for ε > log(1-q), else 1 - e^ε. Add (Q vs P'):
+    :math:`(1 - (1-q)e^ε)\,δ_{in}(-y')`, :math:`e^{y'} = (e^{-ε} - 1 + q)/q`, for
+    ε < -log(1-q), else 0 (Balle, Barthe, Gaboardi 2018, Theorem 8 and its add form; the
+    same identities as the Poisson-sampled Gaussian's).
+    """
+    q = params[0]
+    d_in = _inner(kind, params)[0]
+    q_s = jnp.where(q > 0, q, 1.0)
+    if direction == "remove":
+        y, inside = _sgm_y(eps, q_s, 1)
+        d = jnp.where(inside, q_s * d_in(y), -jnp.expm1(jnp.minimum(eps, 0.0)))
+    else:
+        y, inside = _sgm_y(eps, q_s, -1)
+        d = jnp.where(inside, -jnp.expm1(eps + jnp.log1p(-q_s)) * d_in(-y), 0.0)
+    return jnp.where(q > 0, d, -jnp.expm1(jnp.minimum(eps, 0.0)))
+
+
+def _survival_sampled(kind, params, eps, direction):
+    """P'(L' > ε) of the sampled pair, from the inner loss L (law of L under Q = law of -L under P).
+
+    Remove: L' = log(1 - q + q e^L) under (1-q)Q + qP: (1-q)P(L < -y) + qP(L > y), and
+    P(L < -y) = 1 - P(L ≥ -y) (atoms counted: never above the truth). Add: L'' = -log(1 - q +
+    q e^L) under Q: P(L > -y').
+    """
+    q = params[0]
+    _, surv, surv_ge = _inner(kind, params)
+    q_s = jnp.where(q > 0, q, 1.0)
+    if direction == "remove":
+        y, inside = _sgm_y(eps, q_s, 1)
+        s = (1.0 - q_s) * (1.0 - surv_ge(-y)) + q_s * surv(y)
+        s = jnp.where(inside, s, 1.0)
+    else:
+        y, inside = _sgm_y(eps, q_s, -1)
+        s = jnp.where(inside, surv(-y), 0.0)
+    return jnp.where(q > 0, s, jnp.where(eps < 0, 1.0, 0.0))
+
+
+def curve(kind, params, eps, direction, estimate):
+    """δ(ε) (``estimate="upper"``) or P(L > ε) (``"lower"``) of a kind's dominating pair."""
+    if kind == "gaussian":
+        return (_delta_gauss if estimate == "upper" else _survival_gauss)(eps, 1.0 / params[0])
+    if kind == "laplace":
+        return (_delta_laplace if estimate == "upper" else _survival_laplace)(eps, params[0])
+    if kind == "approx_dp":
+        return (_delta_approx_dp if estimate == "upper" else _survival_approx_dp)(eps, params[0], params[1])
+    if kind == "sampled_gaussian":
+        fn = _delta_sgm if estimate == "upper" else _survival_sgm
+        return fn(eps, params[0], params[1], direction)
+    fn = _delta_sampled if estimate == "upper" else _survival_sampled
+    return fn(kind, params, eps, direction)
+
+
+def _ctd(d, h):
+    """Connect-the-dots masses from hockey-stick values d_i on a grid of spacing h."""
+    em1 = jnp.expm1(h)
+    diff = jnp.diff(d)  # δ_{i+1} - δ_i ≤ 0
+    right = jnp.concatenate([diff / em1, jnp.zeros((1,))])
+    left = jnp.concatenate([(1.0 - d[:1]), -diff * (1.0 + em1) / em1])
+    # p_0 = (1 - δ_0) + (δ_1 - δ_0)/(e^h - 1);  p_i = (δ_{i+1}-δ_i)/(e^h-1) - e^h (δ_i - δ_{i-1})/(e^h-1)
+    return left + right
+
+
+def _ctd_complement(g, eps_grid, h):
+    """The same masses from g(ε) = δ(ε) - (1 - e^ε) = e^ε Q(L ≤ ε) - P(L ≤ ε).
+
+    The linear part 1 - e^ε of δ has zero second differences on the grid, so it drops
+    out: where δ is close to 1 (below and at the bottom of the loss support) these masses
+    are free of the cancellation that the differences of δ ≈ 1 would suffer (there g is
+    small and accurate, often exactly 0).
+    """
+    em1 = jnp.expm1(h)
+    diff = jnp.diff(g)
+    right = jnp.concatenate([diff / em1, jnp.zeros((1,))])
+    left = jnp.concatenate([-g[:1], -diff * (1.0 + em1) / em1])
+    # The last bin keeps e^{ε_{n-1}} from the linear part (its right neighbour is +∞).
+    last = jnp.concatenate([jnp.zeros((eps_grid.shape[0] - 1,)), jnp.exp(eps_grid[-1:])])
+    return left + right + last
+
+
+_REVERSE = {"remove": "add", "add": "remove"}
+
+
+def masses(kind, params, eps_grid, h, direction, estimate, cut_loss=None):
+    """Masses on the grid and the mass at +∞ (pessimistic CTD, or optimistic buckets).
+
+    ``cut_loss`` (a grid point) ends the grid there: the curve is held constant above it, so
+    the upper bound's mass above it goes to +∞ (δ(cut)) and the lower bound's to the cut.
+    """
+    beyond = None
+    if cut_loss is not None:
+        beyond = eps_grid >= cut_loss
+        eps_grid = jnp.minimum(eps_grid, cut_loss)
+    if estimate == "upper":
+        d = jnp.clip(curve(kind, params, eps_grid, direction, "upper"), 0.0, 1.0)
+        # g(ε) = e^ε δ_reverse(-ε): the hockey stick of the swapped pair (Q, P).
+        rev = _REVERSE[direction] if kind.startswith("sampled_") else direction
+        g = jnp.exp(jnp.minimum(eps_grid, 700.0)) * jnp.clip(curve(kind, params, -eps_grid, rev, "upper"), 0.0, 1.0)
+        p_d = _ctd(d, h)
+        p_g = _ctd_complement(g, eps_grid, h)
+        # Each bin from the formula whose three inputs are smaller (round-off is relative to
+        # them): δ decreases and g increases with ε, so compare δ_{i-1} with g_{i+1}. Where
+        # δ = 1 - e^ε exactly (no loss there) g is 0 and so are the masses; differences of
+        # δ would leave round-off noise that, clipped at 0, adds up to spurious mass.
+        # Round-off can still leave a tiny negative mass; it is set to 0 (raises δ).
+        d_prev = jnp.concatenate([jnp.ones((1,)), d[:-1]])
+        g_next = jnp.concatenate([g[1:], jnp.full((1,), jnp.inf)])
+        p = jnp.where(d_prev <= g_next, p_d, p_g)
+        if beyond is not None:
+            p = jnp.where(beyond, p_d, p)
+        return jnp.maximum(p, 0.0), d[-1]
+    s = jnp.clip(curve(kind, params, eps_grid, direction, "lower"), 0.0, 1.0)
+    p = jnp.concatenate([s[:-1] - s[1:], s[-1:]])
+    return p, jnp.zeros(())
+
+
+def safe_pow(c, k):
+    """c**k for complex c and a real count k ≥ 0 (0 where |c| underflows), grad-safe."""
+    ok = jnp.abs(c) > 1e-300
+    c_s = jnp.where(ok, c, 1.0 + 0.0j)
+    # exp(k Log c) = c^k exactly for integer k, whatever branch of the logarithm.
+    out = jnp.exp(k * jnp.log(c_s))
+    return jnp.where(ok, out, jnp.where(k > 0, 0.0, 1.0).astype(out.dtype))
+
+
