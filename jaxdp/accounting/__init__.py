@@ -11,6 +11,8 @@ one theorem's bound.
 """
 
 from .._deprecations import deprecation_getattr as _deprecation_getattr
+import functools
+
 from . import _dpsgd, _pld
 from ._accountants import delta as delta
 from ._accountants import epsilon as epsilon
@@ -83,7 +85,7 @@ from ._per_instance import per_instance_sampled_gaussian_rdp as per_instance_sam
 from ._pld import PLD_GRID_SIZE as PLD_GRID_SIZE
 from ._pld import PLD_TAIL_BOUND as PLD_TAIL_BOUND
 from ._pld import PLDBracket as PLDBracket
-from ._pld import pld_bracket as pld_bracket
+from ._accountants import pld_bracket as pld_bracket
 from ._pnsgd import PNSGDPrivacy as PNSGDPrivacy
 from ._pnsgd import pnsgd_privacy as pnsgd_privacy
 from ._pnsgd_calibrate import calibrate_pnsgd_noise_std as calibrate_pnsgd_noise_std
@@ -210,7 +212,8 @@ _deprecations = {
     "pld_epsilon": (
         "jaxdp.accounting.pld_epsilon is deprecated: use jaxdp.accounting.epsilon(event, delta, accountant='pld') "
         "(grid_size, tail_bound and estimate are keyword options of epsilon).",
-        _pld.pld_epsilon,
+        # through the door, which puts the RDP fallback where the grid cannot certify δ
+        functools.wraps(_pld.pld_epsilon)(functools.partial(epsilon, accountant="pld")),
     ),
     "pld_delta": (
         "jaxdp.accounting.pld_delta is deprecated: use jaxdp.accounting.delta(event, epsilon, accountant='pld') "

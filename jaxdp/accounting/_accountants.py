@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -54,7 +55,7 @@ from ._pnsgd import run_privacy, stop_geometry
 from ._rdp import DEFAULT_ORDERS, gaussian_rdp, laplace_rdp, sampled_gaussian_rdp
 from ._shifted import pnsgd_shifted_gdp
 
-__all__ = ["rdp", "epsilon", "delta", "pnsgd_record_epsilon", "register_accountant"]
+__all__ = ["rdp", "epsilon", "delta", "pnsgd_record_epsilon", "register_accountant", "pld_bracket"]
 
 
 # =======================================================================================
@@ -442,7 +443,27 @@ def epsilon(event: Event, delta, *, orders=DEFAULT_ORDERS, accountant: str = "rd
     orders_np = _validate.concrete_orders(orders)
     if acc is _BUILTIN_RDP:  # validated above: one compiled program (see _rdp_jit)
         return _rdp_jit(event, f64(delta), tuple(orders_np.tolist()), "epsilon")
-    return acc.epsilon(event, f64(delta), orders_np, **options)
+    out = acc.epsilon(event, f64(delta), orders_np, **options)
+    if accountant == "pld" and options.get("fallback", "rdp") == "rdp" and options.get("estimate", "upper") == "upper":
+        out = _pld_rdp_fallback(event, delta, out, orders)
+        _pld._refuse_uncertified(out, delta)  # still +inf: an event the RDP accountant does not cover
+    return out
+
+
+def _pld_rdp_fallback(event, delta, out, orders):
+    """The PLD's +inf (its grid cannot certify δ) replaced by the RDP accountant's ε, with a warning."""
+    fell = jnp.isposinf(out)
+    if _validate.is_concrete(out) and not bool(np.any(np.asarray(fell))):
+        return out
+    try:
+        rdp = epsilon(event, delta, orders=orders)
+    except ValueError:  # an event the RDP accountant does not cover (ApproxDP, sampled Laplace)
+        return out
+    if _validate.is_concrete(out):
+        warnings.warn("epsilon(accountant='pld'): the PLD grid cannot certify this delta for some "
+                      "configurations; the RDP accountant's epsilon (also an upper bound) is returned there.",
+                      UserWarning, stacklevel=3)
+    return jnp.where(fell, rdp, out)
 
 
 @float64
@@ -475,8 +496,8 @@ def delta(event: Event, epsilon, *, orders=DEFAULT_ORDERS, accountant: str = "rd
       >>> float(A.delta(A.dpsgd_event(256 / 60000, 1.1, 14040), 2.594364)) <= 1e-5
       True
       >>> d = A.delta(A.SelfComposed(A.Gaussian(2.0), 4), 1.0, accountant="pld", grid_size=2**12)
-      >>> f"{float(d):.4e}"  # exact: 1.2694e-01
-      '1.2694e-01'
+      >>> f"{float(d):.4e}"  # an upper bound of the exact 1.2694e-01
+      '1.2702e-01'
     """
     acc, options = _lookup(accountant, grid_size=grid_size, tail_bound=tail_bound, estimate=estimate)
     _prepare(event, acc)
@@ -527,3 +548,29 @@ def pnsgd_record_epsilon(event: PNSGD, delta, *, orders=DEFAULT_ORDERS) -> jax.A
     orders_np = _validate.concrete_orders(orders)
     positions = jnp.arange(1, event.num_records + 1, dtype=jnp.float64)
     return _map_pnsgd(lambda ev, d: _pnsgd_record_eps(ev, d, positions, orders_np), event, f64(delta))
+
+
+@float64
+def pld_bracket(event, delta, *, grid_size: int = _pld.PLD_GRID_SIZE,
+                tail_bound: float = _pld.PLD_TAIL_BOUND) -> _pld.PLDBracket:
+    """Both PLD estimates of ε: the true ε(δ) lies in ``[lower, upper]``.
+
+    ``upper`` is ``epsilon(event, delta, accountant="pld")``, ``lower`` the same with
+    ``estimate="lower"``.
+
+    Args:
+      event, delta, grid_size, tail_bound: as in :func:`epsilon` with ``accountant="pld"``.
+
+    Returns:
+      ``PLDBracket(lower, upper, width)``, float64, batch shape.
+
+    Examples:
+      >>> import jaxdp
+      >>> A = jaxdp.accounting
+      >>> b = A.pld_bracket(A.SelfComposed(A.Gaussian(2.0), 4), 1e-5, grid_size=2**12)
+      >>> bool(b.lower <= 4.3771 <= b.upper)
+      True
+    """
+    up = epsilon(event, delta, accountant="pld", grid_size=grid_size, tail_bound=tail_bound, estimate="upper")
+    lo = epsilon(event, delta, accountant="pld", grid_size=grid_size, tail_bound=tail_bound, estimate="lower")
+    return _pld.PLDBracket(lo, up, up - lo)

@@ -84,7 +84,6 @@ __all__ = [
     "PLD_GRID_SIZE",
     "PLD_TAIL_BOUND",
     "PLDBracket",
-    "pld_bracket",
 ]
 
 PLD_GRID_SIZE = 2**14
@@ -297,27 +296,9 @@ def pld_epsilon(event, delta, *, grid_size: int = PLD_GRID_SIZE, tail_bound: flo
     _validate.check_delta(delta)
     out = _evaluate(event, delta, int(grid_size), float(tail_bound), estimate, "epsilon")
     if estimate == "upper" and fallback == "rdp":
-        out = _rdp_fallback(event, delta, out)
+        return out  # +inf where uncertified: the accountant door (_accountants.epsilon) puts RDP's ε there
     _refuse_uncertified(out, delta)
     return out
-
-
-def _rdp_fallback(event, delta, out):
-    """+inf (the grid cannot certify δ) replaced by the RDP accountant's ε, with a warning."""
-    from ._accountants import epsilon as _epsilon  # (_accountants imports this module)
-
-    fell = jnp.isposinf(out)
-    if _validate.is_concrete(out) and not bool(np.any(np.asarray(fell))):
-        return out
-    try:
-        rdp = _epsilon(event, delta)
-    except ValueError:  # an event the RDP accountant does not cover (ApproxDP, sampled Laplace)
-        return out
-    if _validate.is_concrete(out):
-        warnings.warn("epsilon(accountant='pld'): the PLD grid cannot certify this delta for some "
-                      "configurations; the RDP accountant's epsilon (also an upper bound) is returned there.",
-                      UserWarning, stacklevel=4)
-    return jnp.where(fell, rdp, out)
 
 
 @float64
@@ -349,31 +330,6 @@ def pld_delta(event, epsilon, *, grid_size: int = PLD_GRID_SIZE, tail_bound: flo
     _check_options(grid_size, tail_bound, estimate)
     _validate.check_in_range("epsilon", epsilon, 0.0, math.inf)
     return _evaluate(event, epsilon, int(grid_size), float(tail_bound), estimate, "delta")
-
-
-@float64
-def pld_bracket(event, delta, *, grid_size: int = PLD_GRID_SIZE, tail_bound: float = PLD_TAIL_BOUND) -> PLDBracket:
-    """Both PLD estimates of ε: the true ε(δ) lies in ``[lower, upper]``.
-
-    ``upper`` is ``epsilon(event, delta, accountant="pld")``, ``lower`` the same with
-    ``estimate="lower"``.
-
-    Args:
-      event, delta, grid_size, tail_bound: as in :func:`epsilon` with ``accountant="pld"``.
-
-    Returns:
-      ``PLDBracket(lower, upper, width)``, float64, batch shape.
-
-    Examples:
-      >>> import jaxdp
-      >>> A = jaxdp.accounting
-      >>> b = A.pld_bracket(A.SelfComposed(A.Gaussian(2.0), 4), 1e-5, grid_size=2**12)
-      >>> bool(b.lower <= 4.3771 <= b.upper)
-      True
-    """
-    up = pld_epsilon(event, delta, grid_size=grid_size, tail_bound=tail_bound, estimate="upper")
-    lo = pld_epsilon(event, delta, grid_size=grid_size, tail_bound=tail_bound, estimate="lower")
-    return PLDBracket(lo, up, up - lo)
 
 
 # =======================================================================================

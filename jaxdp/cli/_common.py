@@ -291,6 +291,9 @@ def option_message(msg: str) -> str:
     """
     first = msg.splitlines()[0] if msg else ""
     head, sep, rest = first.partition(" ")
+    owner, dot, field = head.partition(".")
+    if dot and owner[:1].isupper() and owner.isidentifier():  # "PNSGD.batch_size must ...": an event's field
+        head = field
     name = head.rstrip(":")
     if sep and name.isidentifier() and name == name.lower() and ("_" in name or name in _KNOWN):
         option = _RENAMED.get(name, "--" + name.replace("_", "-"))
