@@ -40,7 +40,8 @@ CASES = {
     "calibrate_noise_multiplier": "A.calibrate_noise_multiplier(1.0, 0.01, 1000, 1e-5).noise_multiplier",
     "calibrate_noise_multiplier in the user's jit": (
         "JIT:lambda e: A.calibrate_noise_multiplier(e, 0.01, 1000, 1e-5).noise_multiplier"),
-    "grad through calibrate_noise_multiplier": "GRAD:lambda e: A.calibrate_noise_multiplier(e, 0.01, 1000, 1e-5).noise_multiplier",
+    "grad through calibrate_noise_multiplier": (
+        "GRAD:lambda e: A.calibrate_noise_multiplier(e, 0.01, 1000, 1e-5).noise_multiplier"),
     "calibrate_noise_multiplier, vmap over 1000 targets": (
         "JIT:lambda e: jax.vmap(lambda t: A.calibrate_noise_multiplier(t, 0.01, 1000, 1e-5).noise_multiplier)"
         "(jnp.linspace(0.5, 8, 1000) * e)"),
@@ -55,7 +56,8 @@ CASES = {
                                 "A.SelfComposed(A.Gaussian(5.0), 10))), 1e-5)"),
     "gaussian_mechanism_epsilon": "A.gaussian_mechanism_epsilon(1e-5, 2.0)",
     "calibrate_gaussian_noise_multiplier": "A.calibrate_gaussian_noise_multiplier(1.0, 1e-5)",
-    "epsilon(dpsgd_event, accountant='pld')": "A.epsilon(A.dpsgd_event(256 / 60000, 1.1, 14040), 1e-5, accountant='pld')",
+    "epsilon(dpsgd_event, accountant='pld')": (
+        "A.epsilon(A.dpsgd_event(256 / 60000, 1.1, 14040), 1e-5, accountant='pld')"),
     "calibrate_noise_multiplier(accountant='pld')": ("A.calibrate_noise_multiplier(1.0, 256 / 60000, 14040, 1e-5, "
                                                      "accountant='pld').noise_multiplier"),
     "dpsbcd_epsilon": ("A.dpsbcd_epsilon(1e-5, [0.5, 0.5, 0.5], learning_rate=0.1, sensitivity=1.0, contraction=0.5, "

@@ -38,10 +38,13 @@ argument that is not a plain number, string or tuple of them, a tree node type f
 outside ``jaxdp``, a representation with an object address, an entry or program file that
 is missing, torn or fails to load) falls back to the path above, which traces and keys the
 lowered module itself. Code changed in memory rather than on disk (a monkeypatched jaxdp
-function) is not in the digest: turn the cache off (``JAXDP_CACHE_DIR=off``) to trace it. Any other call (traced arguments, several devices, a program with
-hoisted constants, any error of the cache itself) runs the ``jax.jit`` function
-unchanged, so the cache can make a call faster but never change its value: the same
-module compiled with the same compiler gives the same executable.
+function) is not in the digest: turn the cache off (``JAXDP_CACHE_DIR=off``) to trace it.
+
+Any other call (traced arguments, several devices, a program with hoisted constants, any
+error of the cache itself) runs the ``jax.jit`` function unchanged, so the cache can make a
+call faster but never change its value: the same module compiled with the same compiler
+gives the same executable, and an index entry names the program that the same source,
+library versions and signature traced to.
 
 Where: ``$JAXDP_CACHE_DIR/programs`` (the index entries in ``…/index`` beside it) if
 ``JAXDP_CACHE_DIR`` is set, else
