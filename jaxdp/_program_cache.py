@@ -23,12 +23,31 @@ program on disk under a SHA-256 key of
 
 A file is used only if its SHA-256 checksum matches (a torn or corrupted file is ignored
 and rewritten); otherwise the program is compiled (``lowered.compile()``, what ``jax.jit``
-does) and written. Any other call (traced arguments, several devices, a program with
-hoisted constants, any error of the cache itself) runs the ``jax.jit`` function
-unchanged, so the cache can make a call faster but never change its value: the same
-module compiled with the same compiler gives the same executable.
+does) and written.
 
-Where: ``$JAXDP_CACHE_DIR/programs`` if ``JAXDP_CACHE_DIR`` is set, else
+A warm process skips tracing too. Tracing and lowering cost about 0.2 s of a warm first
+call (as much as importing ``jaxdp.accounting``), so each program written also gets an
+index entry under a second key computed before tracing: the argument signature above
+(static arguments, tree structure with its node types and their static data, abstract
+values, trace context), the environment part above, the versions of NumPy and SciPy (the
+programs' constants are computed with them) and a SHA-256 digest of the source of every
+module of the installed ``jaxdp`` package (the code that is traced). The entry names the
+program file and holds its argument and result tree structures (pickled). A call whose
+signature has such an entry loads that program without tracing; any doubt (a static
+argument that is not a plain number, string or tuple of them, a tree node type from
+outside ``jaxdp``, a representation with an object address, an entry or program file that
+is missing, torn or fails to load) falls back to the path above, which traces and keys the
+lowered module itself. Code changed in memory rather than on disk (a monkeypatched jaxdp
+function) is not in the digest: turn the cache off (``JAXDP_CACHE_DIR=off``) to trace it.
+
+Any other call (traced arguments, several devices, a program with hoisted constants, any
+error of the cache itself) runs the ``jax.jit`` function unchanged, so the cache can make a
+call faster but never change its value: the same module compiled with the same compiler
+gives the same executable, and an index entry names the program that the same source,
+library versions and signature traced to.
+
+Where: ``$JAXDP_CACHE_DIR/programs`` (the index entries in ``…/index`` beside it) if
+``JAXDP_CACHE_DIR`` is set, else
 ``$XDG_CACHE_HOME/jaxdp/programs`` (``~/.cache/jaxdp/programs``; on Windows under
 ``%LOCALAPPDATA%``). ``JAXDP_CACHE_DIR=off`` (or ``0``, ``none``, ``false``, empty)
 turns it off; it is read at every call. The folder is created private (mode 0700), a
@@ -47,6 +66,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import pickle
 import platform
 import sys
 import tempfile
@@ -59,13 +79,15 @@ __all__ = ["cache_dir", "persistent", "stats"]
 
 _OFF = ("", "0", "off", "no", "none", "false")
 _MAGIC = b"jaxdp-program-1\n"
+_INDEX_MAGIC = b"jaxdp-index-1\n"
 _MAX_BYTES = 256 * 2**20
 _MEMO_SIZE = 64
 _SUFFIX = ".xla"
 
 # Counters for tests and benchmarks: programs loaded from disk, compiled and written, and
 # calls that went straight to jax.jit.
-stats = {"loaded": 0, "compiled": 0, "bypassed": 0}
+stats = {"loaded": 0, "compiled": 0, "bypassed": 0, "untraced": 0}
+# ("untraced" counts the loads that skipped tracing through the index; they count as loaded too.)
 
 
 def cache_dir() -> str | None:
@@ -128,6 +150,73 @@ def _program(lowered) -> bytes:
     return mlir.module_to_bytecode(lowered.compiler_ir("stablehlo"))
 
 
+@functools.cache
+def _source_digest() -> bytes:
+    """SHA-256 of every ``.py`` file of the installed jaxdp package (path and content) and of
+    the NumPy and SciPy versions: what a traced program depends on besides JAX and its inputs."""
+    import numpy
+    import scipy
+
+    root = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256(f"{numpy.__version__}|{scipy.__version__}".encode())
+    for folder, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for name in sorted(files):
+            if name.endswith(".py"):
+                file = os.path.join(folder, name)
+                h.update(os.path.relpath(file, root).encode() + b"\0")
+                with open(file, "rb") as f:
+                    h.update(hashlib.sha256(f.read()).digest())
+    return h.digest()
+
+
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def _plain(value) -> bool:
+    """A static argument whose ``repr`` says all there is to it (numbers, strings, tuples of them)."""
+    if isinstance(value, tuple):
+        return all(_plain(v) for v in value)
+    return type(value) in _PLAIN
+
+
+def _own_nodes(treedef) -> bool:
+    """Every node of the tree is a built-in container or a jaxdp class (whose code is in the digest)."""
+    data = treedef.node_data()
+    if data is None:
+        return True
+    kind = data[0]
+    if kind not in (tuple, list, dict) and not getattr(kind, "__module__", "").startswith("jaxdp."):
+        return False
+    return all(_own_nodes(child) for child in treedef.children())
+
+
+def _stable_repr(value) -> str:
+    """``repr``, with slotted objects (JAX's axis environment in the trace context) shown by their
+    fields instead of their address; anything else with an address stays as it is (and is refused)."""
+    if isinstance(value, tuple):
+        return "(" + ", ".join(_stable_repr(v) for v in value) + ")"
+    text = repr(value)
+    slots = getattr(type(value), "__slots__", None)
+    if " at 0x" in text and slots:
+        fields = ", ".join(f"{k}={_stable_repr(getattr(value, k, None))}" for k in slots if k != "__weakref__")
+        return f"{type(value).__module__}.{type(value).__qualname__}({fields})"
+    return text
+
+
+def _index_key(jax, name: str, static, treedef, avals, context) -> str | None:
+    """The key of a call computed before tracing (see the module), or None where unsure."""
+    try:
+        if not _plain(static) or not _own_nodes(treedef):
+            return None
+        text = repr((name, static, str(treedef), tuple(repr(a) for a in avals), _stable_repr(context)))
+        if " at 0x" in text:  # an object's address: not the same in another process
+            return None
+        return hashlib.sha256(_environment(jax) + b"\0" + _source_digest() + b"\0" + text.encode()).hexdigest()
+    except Exception:
+        return None
+
+
 class _Persistent:
     """A ``jax.jit`` function whose eager calls use the persistent cache (see the module)."""
 
@@ -166,8 +255,9 @@ class _Persistent:
                       tuple(sorted((k, v) for k, v in kwargs.items() if k in self._static_argnames)))
             # str(treedef) names the classes: tree structures of two pytree classes with the
             # same fields can compare equal (JAX's register_dataclass; see jaxdp._pytree).
-            signature = (path, static, treedef, str(treedef), tuple(jax.typeof(x) for x in leaves),
-                         _config.trace_context())
+            avals = tuple(jax.typeof(x) for x in leaves)
+            context = _config.trace_context()
+            signature = (path, static, treedef, str(treedef), avals, context)
             hash(signature)
         except Exception:  # an unhashable static argument, an internal API that moved
             stats["bypassed"] += 1
@@ -177,7 +267,8 @@ class _Persistent:
             if compiled is not None:
                 self._memo.move_to_end(signature)
         if compiled is None:
-            compiled = self._load_or_compile(jax, path, args, kwargs)
+            index = _index_key(jax, self._name, static, treedef, avals, context)
+            compiled = self._load_or_compile(jax, path, args, kwargs, index)
             if compiled is None:
                 stats["bypassed"] += 1
                 return self._jitted(*args, **kwargs)
@@ -187,43 +278,75 @@ class _Persistent:
                     self._memo.popitem(last=False)
         return compiled(*dyn_args, **dyn_kwargs)
 
-    def _load_or_compile(self, jax, path: str, args, kwargs):
+    def _load_or_compile(self, jax, path: str, args, kwargs, index: str | None = None):
         """The compiled program from disk, or compiled now and written; None to use jax.jit."""
+        entry = None if index is None else os.path.join(os.path.dirname(path), "index", f"{self._name}-{index[:48]}")
+        if entry is not None:
+            compiled = _read_untraced(jax, entry, path)
+            if compiled is not None:
+                stats["loaded"] += 1
+                stats["untraced"] += 1
+                return compiled
         try:
             lowered = self._jitted.lower(*args, **kwargs)
             if getattr(lowered._lowering, "const_args", None) != []:  # constants outside the module: not keyed
                 return None
             key = hashlib.sha256(_environment(jax) + b"\0" + _program(lowered)).hexdigest()
+            trees = (jax.tree_util.tree_structure(lowered.args_info), lowered.out_tree)
         except Exception:
             return None
         file = os.path.join(path, f"{self._name}-{key[:48]}{_SUFFIX}")
-        compiled = _read(jax, file, lowered)
+        compiled = _read(jax, file, *trees)
         if compiled is not None:
             stats["loaded"] += 1
-            return compiled
-        compiled = lowered.compile()
-        stats["compiled"] += 1
-        _write(file, compiled, path)
+        else:
+            compiled = lowered.compile()
+            stats["compiled"] += 1
+            if not _write(file, compiled, path):
+                return compiled
+        if entry is not None:
+            _write_entry(entry, os.path.basename(file), trees)
         return compiled
 
 
-def _read(jax, file: str, lowered):
-    from jax.experimental import serialize_executable
-
+def _checked(file: str, magic: bytes) -> bytes | None:
+    """The payload of a cache file whose checksum matches, else None (missing, torn, corrupted)."""
     try:
         with open(file, "rb") as f:
             data = f.read()
     except OSError:
         return None
-    head = len(_MAGIC) + 32
-    if not data.startswith(_MAGIC) or len(data) <= head:
+    head = len(magic) + 32
+    if not data.startswith(magic) or len(data) <= head:
         return None
     payload = data[head:]
-    if hashlib.sha256(payload).digest() != data[len(_MAGIC):head]:
+    if hashlib.sha256(payload).digest() != data[len(magic):head]:
         return None  # torn or corrupted: compile again (and overwrite)
+    return payload
+
+
+def _read_untraced(jax, entry: str, path: str):
+    """The program an index entry names, loaded without tracing; None on any doubt."""
+    payload = _checked(entry, _INDEX_MAGIC)
+    if payload is None:
+        return None
     try:
-        in_tree = jax.tree_util.tree_structure(lowered.args_info)
-        compiled = serialize_executable.deserialize_and_load(payload, in_tree, lowered.out_tree)
+        name, in_tree, out_tree = pickle.loads(payload)
+        if os.path.basename(name) != name or not name.endswith(_SUFFIX):
+            return None
+    except Exception:
+        return None
+    return _read(jax, os.path.join(path, name), in_tree, out_tree)
+
+
+def _read(jax, file: str, in_tree, out_tree):
+    from jax.experimental import serialize_executable
+
+    payload = _checked(file, _MAGIC)
+    if payload is None:
+        return None
+    try:
+        compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
     except Exception:
         return None
     try:
@@ -233,23 +356,43 @@ def _read(jax, file: str, lowered):
     return compiled
 
 
-def _write(file: str, compiled, path: str) -> None:
+def _write(file: str, compiled, path: str) -> bool:
+    """Write the executable; True if it is on disk."""
     from jax.experimental import serialize_executable
 
     try:
         payload = serialize_executable.serialize(compiled)[0]
     except Exception:  # not serialisable on this backend: just not cached
+        return False
+    if not _atomic_write(file, _MAGIC, payload):
+        return False
+    _evict(path)
+    return True
+
+
+def _write_entry(entry: str, name: str, trees) -> None:
+    """Write an index entry (see the module); its folder is created private like the programs'."""
+    try:
+        payload = pickle.dumps((name, *trees))
+    except Exception:  # a tree structure that does not pickle: no entry, the call still traces
         return
+    folder = os.path.dirname(entry)
+    if _usable_dir(folder):
+        _atomic_write(entry, _INDEX_MAGIC, payload)
+
+
+def _atomic_write(file: str, magic: bytes, payload: bytes) -> bool:
+    """Write magic, checksum and payload to a temporary name beside ``file``, then rename it into place."""
     tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=_SUFFIX, dir=path)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=_SUFFIX, dir=os.path.dirname(file))
         with os.fdopen(fd, "wb") as f:
-            f.write(_MAGIC + hashlib.sha256(payload).digest() + payload)
+            f.write(magic + hashlib.sha256(payload).digest() + payload)
         os.replace(tmp, file)
         tmp = None
-        _evict(path)
+        return True
     except OSError:
-        pass
+        return False
     finally:
         if tmp is not None:
             try:

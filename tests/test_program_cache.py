@@ -121,3 +121,54 @@ def test_off_writes_nothing(tmp_path, monkeypatch):
     assert not any(tmp_path.iterdir())
     monkeypatch.delenv("JAXDP_CACHE_DIR")
     assert _program_cache.cache_dir() == os.path.join(str(tmp_path), "jaxdp", "programs")
+
+
+def test_a_warm_process_loads_without_tracing_and_gets_the_same_bits(tmp_path):
+    cache = str(tmp_path / "cache")
+    first = _child(cache)
+    assert first["untraced"] == 0
+    assert len(os.listdir(os.path.join(cache, "index"))) == 2  # one entry per program, beside programs/
+    second = _child(cache)
+    assert second["untraced"] == 2 and second["loaded"] == 2 and second["compiled"] == 0
+    assert (first["eps"], first["ev"]) == (second["eps"], second["ev"])
+
+
+def test_the_untraced_key_follows_the_source_and_falls_back_on_doubt(tmp_path, monkeypatch):
+    want = float(A.dpsgd_epsilon(0.01, 1.1, 1000, 1e-5, orders=ORDERS))  # conftest: the cache is off
+    monkeypatch.setenv("JAXDP_CACHE_DIR", str(tmp_path))
+    _fresh_memo()
+    before = dict(_program_cache.stats)
+    assert float(A.dpsgd_epsilon(0.01, 1.1, 1000, 1e-5, orders=ORDERS)) == want  # compiled, indexed
+    _fresh_memo()
+    assert float(A.dpsgd_epsilon(0.01, 1.1, 1000, 1e-5, orders=ORDERS)) == want
+    assert _program_cache.stats["untraced"] == before["untraced"] + 1
+    # Other source code: another key, so the call traces (and finds the same program by its module).
+    monkeypatch.setattr(_program_cache, "_source_digest", lambda: b"edited")
+    _fresh_memo()
+    assert float(A.dpsgd_epsilon(0.01, 1.1, 1000, 1e-5, orders=ORDERS)) == want
+    assert _program_cache.stats["untraced"] == before["untraced"] + 1
+    assert _program_cache.stats["loaded"] == before["loaded"] + 2 and _program_cache.stats["compiled"] == before[
+        "compiled"] + 1
+    # An entry whose program file is gone: traced and compiled again, never a wrong program.
+    for name in os.listdir(tmp_path / "programs"):
+        os.remove(tmp_path / "programs" / name)
+    _fresh_memo()
+    assert float(A.dpsgd_epsilon(0.01, 1.1, 1000, 1e-5, orders=ORDERS)) == want
+    assert _program_cache.stats["compiled"] == before["compiled"] + 2
+
+
+def test_no_untraced_key_for_foreign_tree_nodes_or_addresses():
+    import jax.numpy as jnp
+    from jax._src import config
+
+    class Foreign:  # a user's pytree class: its code is not in jaxdp's digest
+        pass
+
+    jax.tree_util.register_pytree_node(Foreign, lambda x: ((), None), lambda aux, ch: Foreign())
+    aval = (jax.typeof(jnp.ones(2)),)
+    context = config.trace_context()
+    own = jax.tree_util.tree_structure(((A.dpsgd_event(0.1, 1.0, 10), 1.0), {}))
+    assert _program_cache._index_key(jax, "x", ((0, (1.5, 2.0)),), own, aval, context) is not None
+    foreign = jax.tree_util.tree_structure(((Foreign(), 1.0), {}))
+    assert _program_cache._index_key(jax, "x", (), foreign, aval, context) is None
+    assert _program_cache._index_key(jax, "x", ((0, object()),), own, aval, context) is None

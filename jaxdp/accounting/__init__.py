@@ -58,6 +58,8 @@ from ._events import PoissonSampled as PoissonSampled
 from ._events import SelfComposed as SelfComposed
 from ._events import dpsgd_event as dpsgd_event
 from ._events import relation_of as relation_of
+from ._individual_filter import individual_filter_privacy as individual_filter_privacy
+from ._individual_filter import individual_filter_step as individual_filter_step
 from ._hockey_stick import gaussian_hockey_stick as gaussian_hockey_stick
 from ._hockey_stick import gaussian_hockey_stick_complement as gaussian_hockey_stick_complement
 from ._hockey_stick import laplace_hockey_stick as laplace_hockey_stick
@@ -76,12 +78,10 @@ from ._mechanisms import gaussian_mechanism_delta as gaussian_mechanism_delta
 from ._mechanisms import gaussian_mechanism_epsilon as gaussian_mechanism_epsilon
 from ._mechanisms import laplace_mechanism as laplace_mechanism
 from ._per_instance import PER_INSTANCE_ORDERS as PER_INSTANCE_ORDERS
-from ._per_instance import PerInstancePrivacy as PerInstancePrivacy
-from ._per_instance import individual_filter_privacy as individual_filter_privacy
-from ._per_instance import individual_filter_step as individual_filter_step
 from ._per_instance import per_instance_composition_orders as per_instance_composition_orders
 from ._per_instance import per_instance_dpsgd_privacy as per_instance_dpsgd_privacy
-from ._per_instance import per_instance_sampled_gaussian_rdp as per_instance_sampled_gaussian_rdp
+from ._per_instance_rdp import PerInstancePrivacy as PerInstancePrivacy
+from ._per_instance_rdp import per_instance_sampled_gaussian_rdp as per_instance_sampled_gaussian_rdp
 from ._pld import PLD_GRID_SIZE as PLD_GRID_SIZE
 from ._pld import PLD_TAIL_BOUND as PLD_TAIL_BOUND
 from ._pld import PLDBracket as PLDBracket

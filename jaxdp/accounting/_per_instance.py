@@ -9,7 +9,8 @@ Gaussian step for a point whose clipped gradient norm over the clipping norm is 
   runs given, so the result is an **estimate**, not a certified bound.
 * :func:`individual_filter_privacy` / :func:`individual_filter_step`: Feldman and Zrnic
   2021, individual privacy accounting with a Rényi filter. It is a certified guarantee
-  under fully adaptive composition, on condition that training enforced the filter.
+  under fully adaptive composition, on condition that training enforced the filter
+  (in :mod:`._individual_filter`, on this module's per-step RDP).
 
 Neither is differential privacy: both are bounds for one fixed point and one fixed data
 set, and the values themselves depend on the data.
@@ -27,18 +28,13 @@ import numpy as np
 
 from .. import _validate
 from .._numerics import f64, float64, read_only, take
-from .._pytree import register_dataclass
 from ._conversion import rdp_to_epsilon
-from ._rdp import sampled_gaussian_rdp
+from ._per_instance_rdp import PerInstancePrivacy, _check_common, _pi_rdp
 
 __all__ = [
     "PER_INSTANCE_ORDERS",
-    "PerInstancePrivacy",
-    "individual_filter_privacy",
-    "individual_filter_step",
     "per_instance_composition_orders",
     "per_instance_dpsgd_privacy",
-    "per_instance_sampled_gaussian_rdp",
 ]
 
 PER_INSTANCE_ORDERS: np.ndarray = np.array(
@@ -49,133 +45,10 @@ PER_INSTANCE_ORDERS.setflags(write=False)
 composition is evaluated at up to five inflated orders at every checkpoint, so the grid is
 kept smaller than ``DEFAULT_ORDERS``)."""
 
-# Below this r the value is taken at r = _R_FLOOR (the RDP is nondecreasing in r, so this
-# is an upper bound). At r = 1e-6 the RDP is ~1e-17 or less in every setting where DP-SGD
-# is used; beyond σ/r ≈ 1e6 the fractional-order series' certified rounding margin,
-# which grows like (σ/r)², would dominate the value and could break monotonicity in r.
-_R_FLOOR = 1e-6
 _ROUND_UP = 1.0 + 1e-13  # relative nudge so that float rounding never rounds an order down
 _INT_ORDER_FROM = 8.0  # composition orders ≥ this are rounded up to integers (cheap, exact path)
 _FRAC_STEP = 0.25  # below it, up to a multiple of 1/4
 _ROUNDINGS = ("levels", "ceil")
-
-
-@functools.partial(
-    register_dataclass,  # not JAX's: see jaxdp/_pytree.py
-    data_fields=["epsilon", "order", "rdp", "halt_step"],
-    meta_fields=["analysis", "assumptions"],
-)
-@dataclasses.dataclass(frozen=True)
-class PerInstancePrivacy:
-    """Per-point privacy of a DP-SGD run: ε at δ, the analysis and what it assumes.
-
-    A pytree: the numeric fields are leaves (it passes through ``jit`` and ``vmap``),
-    ``analysis`` and ``assumptions`` are static strings carried alongside.
-
-    Attributes:
-      epsilon: ε at the requested δ per point, shape ``points``.
-      order: the Rényi order attaining it, shape ``points``.
-      rdp: the RDP curve per point, shape ``points + (k,)``. For the filter this is the
-        individual RDP actually consumed (never above the budget; the guarantee itself
-        is the budget).
-      halt_step: filter only: number of steps the point took part in before the filter
-        dropped it (``num_steps`` if never); ``None`` for the composition analysis.
-      analysis: which analysis produced the numbers.
-      assumptions: what the numbers assume, one sentence each; an estimate says so.
-    """
-
-    epsilon: jax.Array
-    order: jax.Array
-    rdp: jax.Array
-    halt_step: jax.Array | None
-    analysis: str
-    assumptions: tuple[str, ...]
-
-
-# --------------------------------------------------------------------------------------
-# One step
-# --------------------------------------------------------------------------------------
-
-
-def _check_common(q, noise_multiplier, r):
-    _validate.check_in_range("q", q, 0.0, 1.0)
-    _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True)
-    _validate.check_in_range("r", r, 0.0, 1.0)
-
-
-@float64
-def per_instance_sampled_gaussian_rdp(orders, q, noise_multiplier, r) -> jax.Array:
-    r"""Per-instance RDP of one Poisson-sampled Gaussian step for a point with norm ratio ``r``.
-
-    DP-SGD with the sum rule adds :math:`N(0, σ^2C^2)` to the sum of clipped gradients. For
-    the pair :math:`X, X' = X ∪ \{x^*\}` the sensitivity is the point's own clipped norm
-    :math:`rC`, :math:`r = \min(\|∇ℓ(θ, x^*)\|_2, C)/C`, the same for every minibatch, so
-    the step is the sampled Gaussian mechanism with noise multiplier :math:`σ/r`:
-
-    .. math::
-        ε(α) = \frac{1}{α-1}\log\sum_{k=0}^{α}\binom{α}{k}(1-q)^{α-k}q^k
-               \exp\Big(\frac{r^2(k^2-k)}{2σ^2}\Big)
-
-    for integer α (Thudi et al. 2024, Theorem 3.2, with the factor :math:`q^k` that its
-    Eq. 21 drops), and in general
-    :math:`ε(α) = D_α\big((1-q)N(0,σ^2) + qN(r,σ^2)\,\|\,N(0,σ^2)\big)`, which bounds the
-    Rényi divergence in both directions (Mironov, Talwar, Zhang 2019, Theorem 5).
-
-    Exactness: integer orders are the closed form above, summed in log space
-    (:func:`sampled_gaussian_rdp` at σ/r). Fractional orders use the exact two-sided
-    series of Mironov–Talwar–Zhang §3.3 with a certified error margin added, so the value
-    is an **upper bound** within 2e-10 relative of the truth for σ/r ≤ 50, and more
-    conservative (still above the truth) for larger σ/r. At r = 1 the value is the
-    data-independent sampled-Gaussian RDP; r = 0 gives 0; for 0 < r < 1e-6 the value at
-    r = 1e-6 is returned (an upper bound, ~1e-17 or less). The value is nondecreasing in r.
-
-    Args:
-      orders: Rényi orders α > 1 (static, a concrete 1-D sequence of length k; up to 65536).
-      q: Poisson sampling rate in [0, 1].
-      noise_multiplier: noise standard deviation over the clipping norm C, > 0.
-      r: clipped gradient norm over C, in [0, 1]. ``q``, ``noise_multiplier`` and ``r``
-        broadcast together (e.g. ``r`` of shape ``(num_points, num_steps)``).
-
-    Returns:
-      float64 array ``broadcast(q, noise_multiplier, r).shape + (k,)``. Under ``jit``,
-      values out of range give NaN.
-
-    Assumptions: add/remove-one neighbours; each point is sampled independently with
-    probability q (the rate does not depend on the data set); r is computed at the model
-    the step starts from. It is a per-instance bound for one fixed (X, x*), not DP.
-
-    References:
-      A. Thudi, H. Jia, C. Meehan, I. Shumailov, N. Papernot, "Gradients Look Alike:
-      Sensitivity is Often Overestimated in DP-SGD", USENIX Security 2024
-      (arXiv:2307.00310), Theorem 3.2. I. Mironov, K. Talwar, L. Zhang, "Rényi Differential
-      Privacy of the Sampled Gaussian Mechanism", arXiv:1908.10530 (2019), Theorem 5, §3.3.
-
-    Examples:
-      >>> import jaxdp, numpy as np
-      >>> e = jaxdp.accounting.per_instance_sampled_gaussian_rdp([2.0], 0.01, 1.0, 0.5)
-      >>> bool(np.isclose(e[0], np.log1p(0.01**2 * np.expm1(0.25))))
-      True
-    """
-    orders_np = _validate.concrete_orders(orders)
-    _check_common(q, noise_multiplier, r)
-    return _pi_rdp_jit(tuple(orders_np.tolist()), f64(q), f64(noise_multiplier), f64(r))
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _pi_rdp_jit(orders_key, q, noise_multiplier, r):
-    return _pi_rdp(np.asarray(orders_key, dtype=np.float64), q, noise_multiplier, r)
-
-
-def _pi_rdp(orders_np, q, noise_multiplier, r):
-    q, noise_multiplier, r = jnp.broadcast_arrays(q, noise_multiplier, r)
-    valid = (r >= 0) & (r <= 1)
-    pos = valid & (r > 0)
-    # Double-where: the sampled Gaussian is evaluated at r = 1 where its value is not used
-    # (r = 0, invalid r), so the derivative stays finite there.
-    r_eval = jnp.where(pos, jnp.maximum(r, _R_FLOOR), 1.0)
-    out = sampled_gaussian_rdp(orders_np, q, noise_multiplier / r_eval)
-    out = jnp.where(pos[..., None], out, 0.0)
-    return jnp.where(valid[..., None], out, jnp.nan)
 
 
 # --------------------------------------------------------------------------------------
@@ -651,156 +524,3 @@ def per_instance_dpsgd_privacy(
         "themselves depend on the data.",
     )
     return PerInstancePrivacy(eps, order, rdp, None, "thudi2024_theorem_3.3_estimate", assumptions)
-
-
-# --------------------------------------------------------------------------------------
-# Feldman and Zrnic: individual Rényi filter
-# --------------------------------------------------------------------------------------
-
-
-@float64
-def individual_filter_step(consumed, halted, orders, q, noise_multiplier, r, budget):
-    r"""One step of an individual Rényi filter: who may take part, and the updated ledger.
-
-    A point takes part in the step iff it has not been dropped and
-    :math:`\mathrm{consumed}(α) + ε_t(α) ≤ B(α)` at every order, where :math:`ε_t` is its
-    per-instance RDP for this step (:func:`per_instance_sampled_gaussian_rdp` at the ``r``
-    computed on the model the step starts from). Otherwise it is **dropped for the rest
-    of training** (its gradient must not enter this or any later step) and its ledger
-    stops. Run this before each step and use ``active`` as the per-example mask.
-
-    Args:
-      consumed: individual RDP consumed so far, shape ``points + (k,)`` (zeros at start).
-      halted: bool, shape ``points`` (False at start).
-      orders: Rényi orders (static), length k.
-      q: Poisson sampling rate in [0, 1].
-      noise_multiplier: noise std over the clipping norm, > 0.
-      r: this step's clipped norm over C in [0, 1], shape ``points``.
-      budget: RDP budget per order, ≥ 0 (may be ``inf``), broadcastable to ``(k,)``.
-
-    Returns:
-      ``(active, consumed, halted)``: bool ``points``, float64 ``points + (k,)``, bool.
-
-    References:
-      V. Feldman, T. Zrnic, "Individual Privacy Accounting via a Rényi Filter",
-      NeurIPS 2021 (arXiv:2008.11193), the Rényi filter and its individual form (§3–4).
-
-    Examples:
-      >>> import jaxdp, jax.numpy as jnp
-      >>> a, c, h = jaxdp.accounting.individual_filter_step(
-      ...     jnp.zeros((2, 1)), jnp.zeros(2, bool), [2.0], 1.0, 1.0, jnp.array([1.0, 0.1]), 0.5)
-      >>> a.tolist(), h.tolist()
-      ([False, True], [True, False])
-    """
-    orders_np = _validate.concrete_orders(orders)
-    _check_common(q, noise_multiplier, r)
-    _validate.check_in_range("budget", budget, 0.0, math.inf, allow_inf=True)
-    _validate.check_in_range("consumed", consumed, 0.0, math.inf)
-    return _filter_step(orders_np, f64(consumed), jnp.asarray(halted, bool), f64(q), f64(noise_multiplier), f64(r),
-                        f64(budget))
-
-
-def _filter_step(orders_np, consumed, halted, q, noise_multiplier, r, budget):
-    rho = _pi_rdp(orders_np, q, noise_multiplier, r)
-    cand = consumed + rho
-    fits = jnp.all(cand <= budget, axis=-1)  # NaN compares False: an invalid value drops the point
-    active = fits & ~halted
-    consumed = jnp.where(active[..., None], cand, consumed)
-    return active, consumed, halted | ~fits
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _filter_jit(orders_key, method, q, noise_multiplier, r, budget, delta):
-    orders_np = np.asarray(orders_key, dtype=np.float64)
-    k = len(orders_key)
-    batch = r.shape[:-1]
-    budget_k = jnp.broadcast_to(budget, (k,))
-
-    def body(carry, r_t):
-        consumed, halted, count = carry
-        active, consumed, halted = _filter_step(orders_np, consumed, halted, q, noise_multiplier, r_t, budget_k)
-        return (consumed, halted, count + active.astype(jnp.int32)), None
-
-    init = (jnp.zeros(batch + (k,)), jnp.zeros(batch, bool), jnp.zeros(batch, jnp.int32))
-    (consumed, _, count), _ = jax.lax.scan(body, init, jnp.moveaxis(r, -1, 0))
-    eps = rdp_to_epsilon(jnp.broadcast_to(budget_k, batch + (k,)), orders_np, delta, method=method)
-    bad = jnp.any(~((r >= 0) & (r <= 1)), axis=-1) | ~((q >= 0) & (q <= 1)) | ~(noise_multiplier > 0)
-    return consumed, jnp.where(bad, jnp.nan, eps.epsilon), eps.order, count
-
-
-@float64
-def individual_filter_privacy(orders, q, noise_multiplier, r, budget, delta, *, method: str = "improved"):
-    r"""Individual privacy accounting of DP-SGD with a Rényi filter (Feldman and Zrnic 2021).
-
-    Replays :func:`individual_filter_step` over the steps: a point takes part in step t
-    while its accumulated per-instance RDP plus :math:`ε_t` stays within the budget
-    :math:`B(α)` at every order; the first step that would exceed it drops the point for
-    the rest of training. Because every point's total is then at most B(α) for **every**
-    trajectory, the Rényi filter theorem makes the whole adaptive run
-    :math:`(α, B(α))`-RDP for each point at every order, and
-
-    .. math:: ε_i = \min_α \mathrm{conv}_δ(B(α))
-
-    is the same certified guarantee for every point. What differs between points is how
-    long they took part (``halt_step``) and what they actually consumed (``rdp``).
-
-    Args:
-      orders: Rényi orders (static), length k.
-      q: Poisson sampling rate in [0, 1].
-      noise_multiplier: noise std over the clipping norm, > 0.
-      r: clipped norm over C in [0, 1] at **every** step, shape ``points + (num_steps,)``,
-        from the training that enforced the filter (checkpoints are not enough: the
-        filter must see each step).
-      budget: RDP budget per order, ≥ 0, ``inf`` for an order without a budget,
-        broadcastable to ``(k,)``.
-      delta: δ in (0, 1).
-      method: RDP → DP conversion, ``"improved"`` (default) or ``"classic"``.
-
-    Returns:
-      :class:`PerInstancePrivacy` with ``epsilon`` (from the budget), ``order``,
-      ``rdp`` = consumed individual RDP ``points + (k,)``, and ``halt_step`` (int32, steps
-      taken part in; ``num_steps`` if never dropped). NaN ε under ``jit`` for invalid input.
-
-    Assumptions (also in the result): the guarantee holds only if training applied this
-    filter, i.e. excluded each point's gradient from the step that would exceed its
-    budget and from every later step; ``r`` at step t is computed from the model before
-    step t and the point alone (so the per-step bound is predictable); add/remove
-    neighbours, Poisson sampling, sum rule. It is a per-point guarantee for the given data
-    set, valid under fully adaptive composition; the halting times depend on the data.
-
-    References:
-      V. Feldman, T. Zrnic, "Individual Privacy Accounting via a Rényi Filter",
-      NeurIPS 2021 (arXiv:2008.11193), the Rényi filter (§3) and individual privacy
-      filtering for noisy gradient descent (§4).
-
-    Examples:
-      >>> import jaxdp, numpy as np
-      >>> r = np.array([[1.0] * 6, [0.1] * 6])
-      >>> res = jaxdp.accounting.individual_filter_privacy([2.0, 8.0], 0.5, 2.0, r, [0.3, np.inf], 1e-5)
-      >>> res.halt_step.tolist()
-      [4, 6]
-    """
-    orders_np = _validate.concrete_orders(orders)
-    _check_common(q, noise_multiplier, r)
-    _validate.check_in_range("budget", budget, 0.0, math.inf, allow_inf=True)
-    _validate.check_delta(delta)
-    _validate.check_static_choice("method", method, ("improved", "classic"))
-    r = f64(r)
-    if r.ndim < 1:
-        raise ValueError(f"r must have a step axis; got shape {r.shape}.")
-    consumed, eps, order, count = _filter_jit(
-        tuple(orders_np.tolist()), method, f64(q), f64(noise_multiplier), r, f64(budget), f64(delta)
-    )
-    assumptions = (
-        "Feldman and Zrnic 2021 individual Renyi filter: valid under fully adaptive composition ONLY IF training "
-        "applied the filter (a point's gradient is excluded from the step that would exceed its budget at any "
-        "order and from every later step).",
-        "Per-step individual RDP: the per-instance sampled Gaussian bound (Thudi et al. 2024 Theorem 3.2; "
-        "add/remove neighbours, Poisson sampling at rate q, sum rule, clipping at C, noise N(0, "
-        "(noise_multiplier*C)^2)), with r computed from the model before the step and the point alone.",
-        "r known at every step of the filtered run (no interpolation).",
-        "epsilon is the guarantee of the budget, the same for every filtered point; rdp is what each point "
-        "consumed and halt_step how many steps it took part in (both data-dependent, not to be released "
-        "without accounting for them).",
-    )
-    return PerInstancePrivacy(eps, order, consumed, count, "feldman_zrnic2021_individual_renyi_filter", assumptions)
