@@ -210,3 +210,29 @@ def test_jit_vmap_grad_in_both_x64_modes(kind, x64):
         g = float(jax.grad(f)(2.0))
         assert g == pytest.approx(fd, rel=1e-4)
         assert float(jax.jit(jax.grad(f))(2.0)) == pytest.approx(g, rel=1e-10)
+
+
+def test_dp_accounting_interop_both_ways():
+    from jaxdp.interop import from_dp_event, to_dp_event
+
+    wor = A.SelfComposed(A.SampledWithoutReplacement(60000, 256, A.Gaussian(1.1, relation="replace_one")), 1000)
+    dp, rel = to_dp_event(wor)
+    assert rel == "replace_one" and isinstance(dp.event, dpa.SampledWithoutReplacementDpEvent)
+    acc = R.RdpAccountant(neighboring_relation=REPLACE)
+    acc.compose(dp)
+    assert float(A.epsilon(from_dp_event(dp, "replace_one"), DELTA)) == pytest.approx(acc.get_epsilon(DELTA),
+                                                                                      rel=1e-9)
+    wr = A.SampledWithReplacement(1000, 20, A.Gaussian(2.0, relation="replace_one"))
+    back = from_dp_event(to_dp_event(wr).dp_event, "replace_one")
+    assert isinstance(back, A.SampledWithReplacement) and back.sample_size == 20 and back.num_records == 1000
+    tp = A.TruncatedPoissonSampled(0.01, 1000, 15, A.Gaussian(1.5))
+    dp_tp, rel_tp = to_dp_event(tp)
+    assert rel_tp == "add_remove" and isinstance(dp_tp, dpa.TruncatedSubsampledGaussianDpEvent)
+    assert (dp_tp.dataset_size, dp_tp.sampling_probability, dp_tp.truncated_batch_size,
+            dp_tp.noise_multiplier) == (1000, 0.01, 15, 1.5)
+    back = from_dp_event(dp_tp)
+    assert isinstance(back, A.TruncatedPoissonSampled) and back.max_batch_size == 15
+    with pytest.raises(ValueError, match="replace_one"):
+        from_dp_event(dp)  # relation defaults to add_remove: refused, named
+    with pytest.raises(ValueError, match="add_remove"):
+        from_dp_event(dp_tp, "replace_one")
