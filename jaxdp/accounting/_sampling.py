@@ -292,11 +292,20 @@ def _wor_log_a(q, sigma, plan):
     # constants under vmap with x64 off).
     exact_t = jnp.concatenate([s2[:, None], exact_t[:, 1:]], axis=1)
     stir_t = jnp.concatenate([s2[:, None], stirling[:, 1:]], axis=1)
-    term = jnp.where(plan["exact"][None, :, None], exact_t[:, None, :], stir_t[:, None, :])
-    term = term + i_idx[None, None, :] * log_q[:, :, None] + plan["log_comb"][None]
-    term = jnp.where(plan["mask"][None], term, -jnp.inf)
-    full = jnp.concatenate([jnp.zeros(term.shape[:2] + (1,)), term], axis=-1)  # log 1 = 0 first
-    return jax.nn.logsumexp(full, axis=-1)
+    # Rows (orders) up to 256 sum i = 2..n_ex with the exact terms; the few above (512,
+    # 1024) sum the whole range with the Stirling-branch terms (the rows are sorted).
+    n_e = int(np.sum(plan["exact"]))
+    w = len(ii)
+    parts = []
+    for rows, terms, width in ((slice(0, n_e), exact_t, w), (slice(n_e, None), stir_t, len(i_idx))):
+        lc, mk = plan["log_comb"][rows, :width], plan["mask"][rows, :width]
+        if lc.shape[0] == 0:
+            continue
+        term = terms[:, None, :width] + i_idx[None, None, :width] * log_q[:, :, None] + lc[None]
+        term = jnp.where(mk[None], term, -jnp.inf)
+        full = jnp.concatenate([jnp.zeros(term.shape[:2] + (1,)), term], axis=-1)  # log 1 = 0 first
+        parts.append(jax.nn.logsumexp(full, axis=-1))
+    return jnp.concatenate(parts, axis=1)
 
 
 @float64
