@@ -158,11 +158,11 @@ def to_dp_event(event: ev.Event) -> DpEventWithRelation:
             return dpe.ComposedDpEvent([conv(x, f"{path}.events[{i}]") for i, x in enumerate(e.events)])
         if isinstance(e, ev.SampledWithoutReplacement):
             return dpe.SampledWithoutReplacementDpEvent(
-                _whole(f"{path}.num_records", e.num_records), _whole(f"{path}.sample_size", e.sample_size),
+                _whole(f"{path}.num_records", e.num_records), _whole(f"{path}.batch_size", e.batch_size),
                 conv(e.event, f"{path}.event"))
         if isinstance(e, ev.SampledWithReplacement):
             return dpe.SampledWithReplacementDpEvent(
-                _whole(f"{path}.num_records", e.num_records), int(e.sample_size), conv(e.event, f"{path}.event"))
+                _whole(f"{path}.num_records", e.num_records), int(e.batch_size), conv(e.event, f"{path}.event"))
         if isinstance(e, ev.TruncatedPoissonSampled):
             if not isinstance(e.event, ev.Gaussian):
                 raise ValueError(f"to_dp_event: {path}.event must be a Gaussian event (dp_accounting's "

@@ -4,7 +4,7 @@ Three ways to pick a batch besides Poisson sampling, each an event wrapping a Ga
 mechanism (the sum of the batch's clipped gradients plus noise), with the analysis the RDP
 accountant uses:
 
-* :class:`SampledWithoutReplacement`: a uniformly random subset of ``sample_size`` = m of
+* :class:`SampledWithoutReplacement`: a uniformly random subset of ``batch_size`` = m of
   the ``num_records`` = n records, **replace-one** neighbours (n is public). RDP: Wang,
   Balle & Kasiviswanathan (AISTATS 2019), Theorem 27, computed exactly as dp_accounting
   0.6.0 does (:func:`sampled_without_replacement_rdp`; same forward differences in log
@@ -86,9 +86,9 @@ def _check_inner(owner: str, event) -> None:
         raise TypeError(f"{owner}.event must be an Event; got {type(event).__name__}.")
 
 
-@_event(data=("num_records", "sample_size", "event"), meta=())
+@_event(data=("num_records", "batch_size", "event"), meta=())
 class SampledWithoutReplacement(Event):
-    """``event`` run on a uniformly random subset of ``sample_size`` of ``num_records`` records.
+    """``event`` run on a uniformly random subset of ``batch_size`` of ``num_records`` records.
 
     Replace-one neighbours (the data set size n is public). The RDP accountant covers a
     :class:`Gaussian` inner event with ``relation="replace_one"`` (its noise multiplier is
@@ -97,40 +97,40 @@ class SampledWithoutReplacement(Event):
 
     Attributes:
       num_records: n ≥ 1 (a leaf).
-      sample_size: m in [0, n] (a leaf; only q = m/n enters the analysis).
+      batch_size: m in [0, n] (a leaf; only q = m/n enters the analysis).
       event: the event applied to the sample.
     """
 
     num_records: Any
-    sample_size: Any
+    batch_size: Any
     event: Event
 
     def __post_init__(self):
         _check_inner("SampledWithoutReplacement", self.event)
 
 
-@_event(data=("num_records", "event"), meta=("sample_size",))
+@_event(data=("num_records", "event"), meta=("batch_size",))
 class SampledWithReplacement(Event):
-    """``event`` run on ``sample_size`` records drawn uniformly with replacement from ``num_records``.
+    """``event`` run on ``batch_size`` records drawn uniformly with replacement from ``num_records``.
 
-    Replace-one neighbours. ``sample_size`` is static (it fixes the support of the number
+    Replace-one neighbours. ``batch_size`` is static (it fixes the support of the number
     of copies of a record). See :func:`sampled_with_replacement_rdp`.
 
     Attributes:
       num_records: n ≥ 1 (a leaf).
-      sample_size: m ≥ 0 (a static Python int).
+      batch_size: m ≥ 0 (a static Python int).
       event: a :class:`Gaussian` with ``relation="replace_one"``.
     """
 
     num_records: Any
-    sample_size: int
+    batch_size: int
     event: Event
 
     def __post_init__(self):
         _check_inner("SampledWithReplacement", self.event)
-        m = self.sample_size
+        m = self.batch_size
         if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 0:
-            raise ValueError(f"SampledWithReplacement.sample_size must be a Python int >= 0 (it is static); got {m!r}.")
+            raise ValueError(f"SampledWithReplacement.batch_size must be a Python int >= 0 (it is static); got {m!r}.")
 
 
 @_event(data=("q", "num_records", "max_batch_size", "event"), meta=())
@@ -164,8 +164,8 @@ def _relation(ev) -> str:
 
 def _check_wor(ev, path, chk, rec):
     chk(f"{path}.num_records (SampledWithoutReplacement)", ev.num_records, 1.0, math.inf)
-    chk(f"{path}.sample_size (SampledWithoutReplacement)", ev.sample_size, 0.0, math.inf)
-    _validate.check_not_above(f"{path}.sample_size (SampledWithoutReplacement)", ev.sample_size,
+    chk(f"{path}.batch_size (SampledWithoutReplacement)", ev.batch_size, 0.0, math.inf)
+    _validate.check_not_above(f"{path}.batch_size (SampledWithoutReplacement)", ev.batch_size,
                               f"{path}.num_records", ev.num_records)
     rec(ev.event, f"{path}.event")
 
@@ -378,7 +378,7 @@ def _wor_rdp(orders_np, q, sigma):
 
 
 @float64
-def sampled_with_replacement_rdp(orders, num_records, sample_size: int, noise_multiplier) -> jax.Array:
+def sampled_with_replacement_rdp(orders, num_records, batch_size: int, noise_multiplier) -> jax.Array:
     r"""An RDP upper bound for the Gaussian mechanism on m draws with replacement (replace-one).
 
     With K ~ Binomial(m, 1/n) the number of times the differing record is drawn,
@@ -394,7 +394,7 @@ def sampled_with_replacement_rdp(orders, num_records, sample_size: int, noise_mu
     Args:
       orders: Rényi orders > 1 (static).
       num_records: n ≥ 1 (any shape).
-      sample_size: m ≥ 0, a static Python int.
+      batch_size: m ≥ 0, a static Python int.
       noise_multiplier: σ > 0 over the replace-one sensitivity.
 
     Returns:
@@ -407,11 +407,11 @@ def sampled_with_replacement_rdp(orders, num_records, sample_size: int, noise_mu
       True
     """
     orders_np = _validate.concrete_orders(orders)
-    _validate.check_integer("sample_size", sample_size, lo=0.0)
+    _validate.check_integer("batch_size", batch_size, lo=0.0)
     _validate.check_in_range("num_records", num_records, 1.0, math.inf)
     _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True)
     _validate.check_broadcastable(num_records=num_records, noise_multiplier=noise_multiplier)
-    return _wr_rdp(orders_np, f64(num_records), int(sample_size), f64(noise_multiplier))
+    return _wr_rdp(orders_np, f64(num_records), int(batch_size), f64(noise_multiplier))
 
 
 def _wr_rdp(orders_np, n, m: int, sigma):
@@ -581,10 +581,10 @@ def rdp_curve(event, orders: np.ndarray):
     """The RDP curve of one sampling event (its Gaussian inner event checked by :func:`check_support`)."""
     sigma = f64(event.event.noise_multiplier)
     if isinstance(event, SampledWithoutReplacement):
-        n, m = f64(event.num_records), f64(event.sample_size)
+        n, m = f64(event.num_records), f64(event.batch_size)
         ok = (n >= 1) & (m >= 0) & (m <= n)
         q = jnp.where(ok, m / jnp.where(ok, n, 1.0), jnp.nan)
         return _wor_rdp(orders, q, sigma)
     if isinstance(event, SampledWithReplacement):
-        return _wr_rdp(orders, f64(event.num_records), event.sample_size, sigma)
+        return _wr_rdp(orders, f64(event.num_records), event.batch_size, sigma)
     return _tp_rdp(orders, f64(event.q), f64(event.num_records), f64(event.max_batch_size), sigma)

@@ -173,11 +173,11 @@ def test_rdp_accountant_refuses_wrong_relations_and_inner_events():
         A.epsilon(A.TruncatedPoissonSampled(0.1, 100, 10, A.Gaussian(1.0, relation="replace_one")), DELTA)
     with pytest.raises(ValueError, match="Gaussian"):
         A.epsilon(A.SampledWithReplacement(100, 10, A.Laplace(1.0, relation="replace_one")), DELTA)
-    with pytest.raises(ValueError, match="sample_size"):
+    with pytest.raises(ValueError, match="batch_size"):
         A.epsilon(A.SampledWithoutReplacement(100, 101, A.Gaussian(1.0, relation="replace_one")), DELTA)
     with pytest.raises(ValueError, match="max_batch_size"):
         A.epsilon(A.TruncatedPoissonSampled(0.1, 100, -1, A.Gaussian(1.0)), DELTA)
-    with pytest.raises(ValueError, match="sample_size"):
+    with pytest.raises(ValueError, match="batch_size"):
         A.SampledWithReplacement(100, 2.5, A.Gaussian(1.0, relation="replace_one"))
 
 
@@ -224,7 +224,7 @@ def test_dp_accounting_interop_both_ways():
                                                                                       rel=1e-9)
     wr = A.SampledWithReplacement(1000, 20, A.Gaussian(2.0, relation="replace_one"))
     back = from_dp_event(to_dp_event(wr).dp_event, "replace_one")
-    assert isinstance(back, A.SampledWithReplacement) and back.sample_size == 20 and back.num_records == 1000
+    assert isinstance(back, A.SampledWithReplacement) and back.batch_size == 20 and back.num_records == 1000
     tp = A.TruncatedPoissonSampled(0.01, 1000, 15, A.Gaussian(1.5))
     dp_tp, rel_tp = to_dp_event(tp)
     assert rel_tp == "add_remove" and isinstance(dp_tp, dpa.TruncatedSubsampledGaussianDpEvent)
