@@ -95,6 +95,7 @@ from ._sampling import SampledWithReplacement as SampledWithReplacement
 from ._sampling import TruncatedPoissonSampled as TruncatedPoissonSampled
 from ._sampling import sampled_with_replacement_rdp as sampled_with_replacement_rdp
 from ._sampling import sampled_without_replacement_rdp as sampled_without_replacement_rdp
+from ._sampling import shuffled_event as shuffled_event
 from ._sampling import truncated_poisson_rdp as truncated_poisson_rdp
 from ._shifted import pnsgd_shifted_gdp as pnsgd_shifted_gdp
 from ._shifted import pnsgd_shifted_rdp as pnsgd_shifted_rdp
@@ -115,6 +116,7 @@ __all__ = [
     "DPSBCD",
     "RELATIONS",
     "dpsgd_event",
+    "shuffled_event",
     "relation_of",
     # Accountants of events: ε, δ and the RDP curve, by accountant="rdp" (default) or "pld".
     "epsilon",

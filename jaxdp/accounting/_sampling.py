@@ -55,7 +55,7 @@ from scipy import special as _sp
 
 from .. import _validate
 from .._numerics import f64, float64, take
-from ._events import Event, Gaussian, _event, _is_structural, register_event_type, relation_of
+from ._events import Event, Gaussian, SelfComposed, _event, _is_structural, register_event_type, relation_of
 from ._rdp import sampled_gaussian_rdp
 
 __all__ = [
@@ -65,6 +65,7 @@ __all__ = [
     "sampled_without_replacement_rdp",
     "sampled_with_replacement_rdp",
     "truncated_poisson_rdp",
+    "shuffled_event",
 ]
 
 # dp_accounting computes Theorem 27 exactly up to this order and with its Stirling-type
@@ -588,3 +589,46 @@ def rdp_curve(event, orders: np.ndarray):
     if isinstance(event, SampledWithReplacement):
         return _wr_rdp(orders, f64(event.num_records), event.batch_size, sigma)
     return _tp_rdp(orders, f64(event.q), f64(event.num_records), f64(event.max_batch_size), sigma)
+
+
+# =======================================================================================
+# Shuffling: the certified statement (no amplification).
+# =======================================================================================
+
+
+def shuffled_event(noise_multiplier, passes) -> SelfComposed:
+    r"""The event a shuffled DP-SGD run is certified by: one Gaussian step per pass, replace-one, no amplification.
+
+    Each pass shuffles the n records by a permutation independent of the data and cuts it
+    into batches. Under replace-one neighbours (n public) both data sets get the same
+    permutation, so given it the differing record is in exactly one batch per pass; that
+    step's clipped sum moves by at most 2C (C the clipping norm) and every other step is
+    unchanged. The run is therefore the adaptive composition of ``passes`` Gaussian
+    mechanisms with noise σC over sensitivity 2C, and averaging over the permutation (the
+    same law on both) does not increase the divergence:
+    ``SelfComposed(Gaussian(σ/2, relation="replace_one"), passes)``.
+
+    No tight analysis of shuffling is known, and shuffling can cost far more than Poisson
+    sampling at the same noise (Chua et al., ICML 2024, arXiv 2403.17673): never report a
+    Poisson ε for a shuffled run. This bound takes no credit for the shuffle at all.
+
+    Args:
+      noise_multiplier: σ > 0, the noise standard deviation over the clipping norm C (as
+        in :func:`dpsgd_event`).
+      passes: number of passes ≥ 0 (epochs).
+
+    Returns:
+      A :class:`SelfComposed` event (replace-one).
+
+    Examples:
+      >>> import jaxdp
+      >>> ev = jaxdp.accounting.shuffled_event(4.0, 4)  # = one Gaussian with σ/2 over √4: μ = 1
+      >>> round(float(jaxdp.accounting.epsilon(ev, 1e-5, accountant="pld", grid_size=2**12)), 3)
+      4.377
+    """
+    _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True)
+    _validate.check_in_range("passes", passes, 0.0, math.inf)
+    _validate.check_broadcastable(noise_multiplier=noise_multiplier, passes=passes)
+    sigma = np.asarray(noise_multiplier, dtype=np.float64) if isinstance(noise_multiplier, (list, tuple)) else noise_multiplier
+    half = sigma / 2.0  # exact in any dtype (a power of two)
+    return SelfComposed(Gaussian(half, relation="replace_one"), passes)

@@ -236,3 +236,20 @@ def test_dp_accounting_interop_both_ways():
         from_dp_event(dp)  # relation defaults to add_remove: refused, named
     with pytest.raises(ValueError, match="add_remove"):
         from_dp_event(dp_tp, "replace_one")
+
+
+def test_shuffled_event_is_the_gaussian_composition_under_replace_one():
+    # Reference: dp_accounting's RDP accountant (REPLACE_ONE) on P Gaussian steps with
+    # noise σC over the replace-one sensitivity 2C.
+    for sigma, passes in [(1.0, 1), (2.0, 10), (8.0, 50)]:
+        acc = R.RdpAccountant(neighboring_relation=REPLACE)
+        acc.compose(dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(sigma / 2), passes))
+        ev = A.shuffled_event(sigma, passes)
+        assert A.relation_of(ev) == "replace_one"
+        assert float(A.epsilon(ev, DELTA)) == pytest.approx(acc.get_epsilon(DELTA), rel=1e-9)
+    # It takes no credit for the shuffle: far above Poisson at the batch's rate.
+    shuffled = float(A.epsilon(A.shuffled_event(1.0, 10), DELTA))
+    poisson = float(A.epsilon(A.dpsgd_event(256 / 60000, 1.0, 10 * 60000 // 256), DELTA))
+    assert shuffled > 3 * poisson
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        A.shuffled_event(0.0, 3)
