@@ -6,8 +6,10 @@ neighbouring relation (its accountants take one), so :func:`from_dp_event` takes
 relation to attach, and :func:`to_dp_event` returns the relation beside the tree.
 
 Supported: ``GaussianDpEvent``, ``LaplaceDpEvent``, ``PoissonSampledDpEvent``,
-``SelfComposedDpEvent``, ``ComposedDpEvent``. A :class:`~jaxdp.accounting.PNSGD` event
-has no dp_accounting counterpart.
+``SelfComposedDpEvent``, ``ComposedDpEvent``, ``SampledWithoutReplacementDpEvent`` and
+``SampledWithReplacementDpEvent`` (replace-one only), ``TruncatedSubsampledGaussianDpEvent``
+(add/remove-one only). A :class:`~jaxdp.accounting.PNSGD` event has no dp_accounting
+counterpart.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from . import accounting as ev
 
 __all__ = ["from_dp_event", "to_dp_event", "DpEventWithRelation"]
 
-_SUPPORTED = "GaussianDpEvent, LaplaceDpEvent, PoissonSampledDpEvent, SelfComposedDpEvent, ComposedDpEvent"
+_SUPPORTED = ("GaussianDpEvent, LaplaceDpEvent, PoissonSampledDpEvent, SelfComposedDpEvent, ComposedDpEvent, "
+              "SampledWithoutReplacementDpEvent, SampledWithReplacementDpEvent, TruncatedSubsampledGaussianDpEvent")
 
 
 def _dp_event_module():
@@ -80,6 +83,22 @@ def from_dp_event(dp_event, relation: str = "add_remove") -> ev.Event:
         return ev.SelfComposed(from_dp_event(dp_event.event, relation), dp_event.count)
     if isinstance(dp_event, dpe.ComposedDpEvent):
         return ev.Composed(tuple(from_dp_event(e, relation) for e in dp_event.events))
+    fixed = (dpe.SampledWithoutReplacementDpEvent, dpe.SampledWithReplacementDpEvent)
+    if isinstance(dp_event, fixed):
+        name = type(dp_event).__name__
+        if relation != "replace_one":
+            raise ValueError(f"from_dp_event: {name} is analysed under replace-one neighbours (dp_accounting's "
+                             f"REPLACE_ONE); pass relation='replace_one', got {relation!r}.")
+        inner = from_dp_event(dp_event.event, relation)
+        if isinstance(dp_event, dpe.SampledWithoutReplacementDpEvent):
+            return ev.SampledWithoutReplacement(dp_event.source_dataset_size, dp_event.sample_size, inner)
+        return ev.SampledWithReplacement(dp_event.source_dataset_size, int(dp_event.sample_size), inner)
+    if isinstance(dp_event, dpe.TruncatedSubsampledGaussianDpEvent):
+        if relation != "add_remove":
+            raise ValueError("from_dp_event: jaxdp analyses TruncatedSubsampledGaussianDpEvent under add/remove-one "
+                             f"neighbours only; pass relation='add_remove', got {relation!r}.")
+        return ev.TruncatedPoissonSampled(dp_event.sampling_probability, dp_event.dataset_size,
+                                          dp_event.truncated_batch_size, ev.Gaussian(dp_event.noise_multiplier))
     raise ValueError(
         f"from_dp_event: unsupported dp_accounting event type {type(dp_event).__name__}; supported: {_SUPPORTED}."
     )
@@ -91,6 +110,13 @@ def _scalar(name: str, value) -> float:
         raise ValueError(f"to_dp_event: {name} must be a scalar (a batch of events has no DpEvent); got shape "
                          f"{arr.shape}.")
     return float(arr)
+
+
+def _whole(name: str, value) -> int:
+    v = _scalar(name, value)
+    if not (math.isfinite(v) and v == math.floor(v) and v >= 0):
+        raise ValueError(f"to_dp_event: {name} must be a whole number >= 0; got {v}.")
+    return int(v)
 
 
 def to_dp_event(event: ev.Event) -> DpEventWithRelation:
@@ -131,6 +157,21 @@ def to_dp_event(event: ev.Event) -> DpEventWithRelation:
             return dpe.SelfComposedDpEvent(conv(e.event, f"{path}.event"), int(math.ceil(count)))
         if isinstance(e, ev.Composed):
             return dpe.ComposedDpEvent([conv(x, f"{path}.events[{i}]") for i, x in enumerate(e.events)])
+        if isinstance(e, ev.SampledWithoutReplacement):
+            return dpe.SampledWithoutReplacementDpEvent(
+                _whole(f"{path}.num_records", e.num_records), _whole(f"{path}.batch_size", e.batch_size),
+                conv(e.event, f"{path}.event"))
+        if isinstance(e, ev.SampledWithReplacement):
+            return dpe.SampledWithReplacementDpEvent(
+                _whole(f"{path}.num_records", e.num_records), int(e.batch_size), conv(e.event, f"{path}.event"))
+        if isinstance(e, ev.TruncatedPoissonSampled):
+            if not isinstance(e.event, ev.Gaussian):
+                raise ValueError(f"to_dp_event: {path}.event must be a Gaussian event (dp_accounting's "
+                                 "TruncatedSubsampledGaussianDpEvent).")
+            return dpe.TruncatedSubsampledGaussianDpEvent(
+                _whole(f"{path}.num_records", e.num_records), _scalar(f"{path}.q", e.q),
+                _whole(f"{path}.max_batch_size", e.max_batch_size),
+                _scalar(f"{path}.event.noise_multiplier", e.event.noise_multiplier))
         raise ValueError(f"to_dp_event: {path} is a {type(e).__name__} event, which has no dp_accounting counterpart.")
 
     return DpEventWithRelation(conv(event, "event"), relation)

@@ -34,6 +34,8 @@ GLOSSARY = {
     "weight_decay",
     # DP-SGD
     "optimizer", "algorithm", "capacity", "overflow", "mask",
+    # truncated Poisson sampling (the cap on a batch; records beyond it are dropped)
+    "max_batch_size",
     # randomness: the public order and the secret noise key
     "key", "order_seed", "noise_seed", "seed", "checkpoint_key",
     # PLD accounting: static grid options

@@ -94,6 +94,13 @@ from ._rdp import gaussian_rdp as gaussian_rdp
 from ._rdp import heterogeneous_rdp as heterogeneous_rdp
 from ._rdp import laplace_rdp as laplace_rdp
 from ._rdp import sampled_gaussian_rdp as sampled_gaussian_rdp
+from ._sampling import SampledWithoutReplacement as SampledWithoutReplacement
+from ._sampling import SampledWithReplacement as SampledWithReplacement
+from ._sampling import TruncatedPoissonSampled as TruncatedPoissonSampled
+from ._sampling import sampled_with_replacement_rdp as sampled_with_replacement_rdp
+from ._sampling import sampled_without_replacement_rdp as sampled_without_replacement_rdp
+from ._sampling import shuffled_event as shuffled_event
+from ._sampling import truncated_poisson_rdp as truncated_poisson_rdp
 from ._shifted import pnsgd_shifted_gdp as pnsgd_shifted_gdp
 from ._shifted import pnsgd_shifted_rdp as pnsgd_shifted_rdp
 from ._shifted import shifted_contraction as shifted_contraction
@@ -109,12 +116,16 @@ __all__ = [
     "Laplace",
     "ApproxDP",
     "PoissonSampled",
+    "SampledWithoutReplacement",
+    "SampledWithReplacement",
+    "TruncatedPoissonSampled",
     "SelfComposed",
     "Composed",
     "PNSGD",
     "DPSBCD",
     "RELATIONS",
     "dpsgd_event",
+    "shuffled_event",
     "relation_of",
     # Accountants of events: ε, δ and the RDP curve, by accountant="rdp" (default) or "pld".
     "epsilon",
@@ -142,6 +153,9 @@ __all__ = [
     "gaussian_rdp",
     "laplace_rdp",
     "sampled_gaussian_rdp",
+    "sampled_without_replacement_rdp",
+    "sampled_with_replacement_rdp",
+    "truncated_poisson_rdp",
     "heterogeneous_rdp",
     "rdp_to_epsilon",
     "rdp_to_delta",

@@ -52,6 +52,19 @@ __all__ = [
     "relation_of",
 ]
 
+# Event types defined in other modules (the sampling schemes of _sampling.py): their
+# relation and eager leaf checks, registered by that module (this one imports no other).
+_EXTENSIONS: dict[type, tuple] = {}
+
+
+def register_event_type(cls: type, *, relation, check) -> None:
+    """Let :func:`relation_of` and :func:`check_leaves` handle an event type defined elsewhere.
+
+    ``relation(event) -> str``; ``check(event, path, check_in_range, recurse)`` checks the
+    concrete leaves (``recurse(inner, path)`` checks an inner event).
+    """
+    _EXTENSIONS[cls] = (relation, check)
+
 RELATIONS = ("add_remove", "replace_one")
 _SCHEDULES = ("fixed", "random_stop")
 
@@ -362,6 +375,8 @@ def relation_of(event: Event) -> str:
                 "relation (the guarantees bound different pairs of data sets)."
             )
         return rels[0]
+    if type(event) in _EXTENSIONS:
+        return _EXTENSIONS[type(event)][0](event)
     raise TypeError(f"not a privacy event: {type(event).__name__}")
 
 
@@ -403,6 +418,8 @@ def check_leaves(event: Event, path: str = "event") -> None:
         # dpsbcd_rdp's own checks, naming the parameter.
         _check_dpsbcd(event.noise_temperature, event.learning_rate, event.sensitivity, event.contraction,
                       event.prox_lipschitz, event.num_records, event.batch_size, None)
+    elif type(event) in _EXTENSIONS:
+        _EXTENSIONS[type(event)][1](event, path, chk, check_leaves)
     else:
         raise TypeError(f"{path}: not a privacy event: {type(event).__name__}")
 

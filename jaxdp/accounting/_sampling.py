@@ -1,0 +1,639 @@
+r"""Fixed-size and truncated batch sampling: events and their RDP analyses.
+
+Three ways to pick a batch besides Poisson sampling, each an event wrapping a Gaussian
+mechanism (the sum of the batch's clipped gradients plus noise), with the analysis the RDP
+accountant uses:
+
+* :class:`SampledWithoutReplacement`: a uniformly random subset of ``batch_size`` = m of
+  the ``num_records`` = n records, **replace-one** neighbours (n is public). RDP: Wang,
+  Balle & Kasiviswanathan (AISTATS 2019), Theorem 27, computed exactly as dp_accounting
+  0.6.0 does (:func:`sampled_without_replacement_rdp`; same forward differences in log
+  space, same interpolation of the CGF at fractional orders, same Stirling branch above
+  order 256), so the two agree to rounding.
+* :class:`SampledWithReplacement`: m draws uniformly with replacement (a record may appear
+  K ~ Binomial(m, 1/n) times), **replace-one** neighbours. dp_accounting 0.6.0 has the
+  event but no accountant for it. RDP here (:func:`sampled_with_replacement_rdp`): the
+  mechanism that also releases the drawn indices, which post-processing dominates; given
+  the indices the two outputs are Gaussians whose means differ by at most K times the
+  sensitivity, so
+
+  .. math:: ε(α) = \frac{1}{α-1}\log \mathbb{E}_{K}\, e^{α(α-1)K^2/(2σ^2)}
+
+  exactly for that mechanism (an upper bound here, first order in m/n: it gives up the
+  second-order amplification a finer analysis, e.g. Birrell et al. arXiv 2408.10456, finds).
+* :class:`TruncatedPoissonSampled`: Poisson sampling at rate q, and when more than
+  ``max_batch_size`` = B records are drawn a uniformly random B of them are kept
+  (dp_accounting's ``TruncatedSubsampledGaussianDpEvent``), **add/remove-one**. RDP here
+  (:func:`truncated_poisson_rdp`): release the number N of the other records drawn (its
+  law is the same on both data sets) and, when truncation can bite, the common part of
+  the batch. Given N = k < B the step is the Poisson-sampled Gaussian at rate q; given
+  k ≥ B the differing record is kept with probability q' = qB/(k+1), and then it
+  *replaces* one of the other records, so the step is the Poisson-sampled Gaussian at
+  rate q' with twice the sensitivity (σ/2). Hence
+
+  .. math:: ε(α) = \frac{1}{α-1}\log \mathbb{E}_N\, e^{(α-1)ε_N(α)},
+
+  with the expectation over N ~ Bin(c, q), c the number of common records (n − 1 or n;
+  the larger of the two curves is taken), evaluated on buckets of k with the largest ε_k
+  of each bucket (ε_k falls with k ≥ B). dp_accounting analyses this event with a PLD
+  only (Ganesh, arXiv 2508.15089); this curve composes with every other RDP event.
+
+All leaves are float64 under every transformation; ``jit``, ``vmap`` and ``grad`` apply.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+try:  # a private JAX function (see _betainc64); a JAX without it uses the public primitive
+    from jax._src.lax.special import regularized_incomplete_beta_impl as _betainc_impl
+except ImportError:  # pragma: no cover - depends on the installed JAX
+    _betainc_impl = None
+from scipy import special as _sp
+
+from .. import _validate
+from .._numerics import f64, float64, take
+from ._events import Event, Gaussian, SelfComposed, _event, _is_structural, register_event_type, relation_of
+from ._rdp import sampled_gaussian_rdp
+
+__all__ = [
+    "SampledWithoutReplacement",
+    "SampledWithReplacement",
+    "TruncatedPoissonSampled",
+    "sampled_without_replacement_rdp",
+    "sampled_with_replacement_rdp",
+    "truncated_poisson_rdp",
+    "shuffled_event",
+]
+
+# dp_accounting computes Theorem 27 exactly up to this order and with its Stirling-type
+# bound above (rdp_privacy_accountant._compute_rdp_sample_wor_gaussian_int, max_alpha).
+_WOR_EXACT_MAX = 256
+# Relative margin on binomial masses from betainc (its own error is ~1e-14 relative).
+_TAU_MARGIN = 1e-9
+# Units in the last place charged per operation of the forward-difference recurrence.
+_FD_ULPS = 8.0
+
+
+# =======================================================================================
+# Events.
+# =======================================================================================
+
+
+def _check_inner(owner: str, event) -> None:
+    if not isinstance(event, Event) and _is_structural(event):
+        raise TypeError(f"{owner}.event must be an Event; got {type(event).__name__}.")
+
+
+@_event(data=("num_records", "batch_size", "event"), meta=())
+class SampledWithoutReplacement(Event):
+    """``event`` run on a uniformly random subset of ``batch_size`` of ``num_records`` records.
+
+    Replace-one neighbours (the data set size n is public). The RDP accountant covers a
+    :class:`Gaussian` inner event with ``relation="replace_one"`` (its noise multiplier is
+    relative to the replace-one sensitivity, twice the clipping norm for a sum of clipped
+    gradients); see :func:`sampled_without_replacement_rdp`.
+
+    Attributes:
+      num_records: n ≥ 1 (a leaf).
+      batch_size: m in [0, n] (a leaf; only q = m/n enters the analysis).
+      event: the event applied to the sample.
+    """
+
+    num_records: Any
+    batch_size: Any
+    event: Event
+
+    def __post_init__(self):
+        _check_inner("SampledWithoutReplacement", self.event)
+
+
+@_event(data=("num_records", "event"), meta=("batch_size",))
+class SampledWithReplacement(Event):
+    """``event`` run on ``batch_size`` records drawn uniformly with replacement from ``num_records``.
+
+    Replace-one neighbours. ``batch_size`` is static (it fixes the support of the number
+    of copies of a record). See :func:`sampled_with_replacement_rdp`.
+
+    Attributes:
+      num_records: n ≥ 1 (a leaf).
+      batch_size: m ≥ 0 (a static Python int).
+      event: a :class:`Gaussian` with ``relation="replace_one"``.
+    """
+
+    num_records: Any
+    batch_size: int
+    event: Event
+
+    def __post_init__(self):
+        _check_inner("SampledWithReplacement", self.event)
+        m = self.batch_size
+        if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 0:
+            raise ValueError(f"SampledWithReplacement.batch_size must be a Python int >= 0 (it is static); got {m!r}.")
+
+
+@_event(data=("q", "num_records", "max_batch_size", "event"), meta=())
+class TruncatedPoissonSampled(Event):
+    """Poisson sampling at rate ``q`` with the batch cut to ``max_batch_size`` records.
+
+    When more than B = ``max_batch_size`` records are drawn, a uniformly random B of them
+    are kept. Add/remove-one neighbours; the inner event must be a :class:`Gaussian` with
+    ``relation="add_remove"``. See :func:`truncated_poisson_rdp`.
+
+    Attributes:
+      q: sampling rate in [0, 1] (a leaf).
+      num_records: n ≥ 1, the size of the data set (a neighbour has n − 1 or n + 1
+        records; both are covered; a leaf).
+      max_batch_size: B ≥ 0 (a leaf; a fractional B is rounded down).
+      event: the event applied to the (truncated) sample.
+    """
+
+    q: Any
+    num_records: Any
+    max_batch_size: Any
+    event: Event
+
+    def __post_init__(self):
+        _check_inner("TruncatedPoissonSampled", self.event)
+
+
+def _relation(ev) -> str:
+    return relation_of(ev.event)
+
+
+def _check_wor(ev, path, chk, rec):
+    chk(f"{path}.num_records (SampledWithoutReplacement)", ev.num_records, 1.0, math.inf)
+    chk(f"{path}.batch_size (SampledWithoutReplacement)", ev.batch_size, 0.0, math.inf)
+    _validate.check_not_above(f"{path}.batch_size (SampledWithoutReplacement)", ev.batch_size,
+                              f"{path}.num_records", ev.num_records)
+    rec(ev.event, f"{path}.event")
+
+
+def _check_wr(ev, path, chk, rec):
+    chk(f"{path}.num_records (SampledWithReplacement)", ev.num_records, 1.0, math.inf)
+    rec(ev.event, f"{path}.event")
+
+
+def _check_trunc(ev, path, chk, rec):
+    chk(f"{path}.q (TruncatedPoissonSampled)", ev.q, 0.0, 1.0)
+    chk(f"{path}.num_records (TruncatedPoissonSampled)", ev.num_records, 1.0, math.inf)
+    chk(f"{path}.max_batch_size (TruncatedPoissonSampled)", ev.max_batch_size, 0.0, math.inf)
+    rec(ev.event, f"{path}.event")
+
+
+SAMPLING_EVENTS = (SampledWithoutReplacement, SampledWithReplacement, TruncatedPoissonSampled)
+
+register_event_type(SampledWithoutReplacement, relation=_relation, check=_check_wor)
+register_event_type(SampledWithReplacement, relation=_relation, check=_check_wr)
+register_event_type(TruncatedPoissonSampled, relation=_relation, check=_check_trunc)
+
+
+# =======================================================================================
+# Sampling without replacement: Wang, Balle & Kasiviswanathan (2019), Theorem 27.
+# =======================================================================================
+
+
+def _log_comb(n, k):
+    return _sp.gammaln(n + 1.0) - _sp.gammaln(k + 1.0) - _sp.gammaln(n - k + 1.0)
+
+
+def _forward_diffs(sigma, n: int):
+    r"""log|Δ^{i+1} e^{c}|(-1) for i = 0..n+1, c(x) = x(x+1)/(2σ²), and a bound on its rounding error.
+
+    The same log-space recurrence with signs as dp_accounting's ``_get_forward_diffs``, one
+    stage per difference order (each stage differences every adjacent pair at once). High
+    differences of a slowly growing e^c cancel catastrophically (σ ≳ 10): dp_accounting's
+    values there are rounding noise, which can fall below the true difference. So a
+    first-order bound on the absolute rounding error is carried along (each operation adds
+    ``_FD_ULPS`` units in the last place of its largest operand and of its result), and the
+    caller uses |computed| + error, an upper bound on the true |Δ|; where nothing cancels
+    the error is ~1e-14 relative and the value is dp_accounting's.
+
+    Returns:
+      ``(log_abs, log_err)``, each of shape ``(batch, n + 2)``.
+    """
+    x = jnp.arange(-1.0, n + 2.0)  # j - 1 for j = 0..n+2
+    vec = (x * (x + 1.0))[None, :] / (2.0 * sigma[:, None] ** 2)
+    signs = jnp.ones(vec.shape, dtype=bool)
+    log_eps = math.log(_FD_ULPS * 2.0**-52)
+    err = vec + log_eps + jnp.log1p(jnp.abs(vec))
+
+    def stage(carry, _):
+        v, s, e = carry
+        a, b, sa, sb = v[:, :-1], v[:, 1:], s[:, :-1], s[:, 1:]
+        hi, lo = jnp.maximum(a, b), jnp.minimum(a, b)
+        hi_f = jnp.where(jnp.isfinite(hi), hi, 0.0)
+        d = jnp.where(jnp.isfinite(lo), lo - hi_f, -jnp.inf)
+        # Same signs: log|e^b - e^a| (sign: b > a, toggled when both are negative).
+        sub = jnp.where(a == b, -jnp.inf, hi + jnp.log1p(-jnp.exp(jnp.where(a == b, -1.0, d))))
+        sub_sign = jnp.where(a == b, True, b > a)
+        sub_sign = jnp.where(sb, sub_sign, ~sub_sign)
+        # Different signs: log(e^a + e^b), sign of b.
+        add = jnp.where(jnp.isfinite(lo), hi + jnp.log1p(jnp.exp(d)), hi)
+        new_v = jnp.where(sa == sb, sub, add)
+        new_s = jnp.where(sa == sb, sub_sign, sb)
+        new_e = jnp.logaddexp(jnp.logaddexp(e[:, :-1], e[:, 1:]),
+                              jnp.logaddexp(hi, new_v + jnp.log1p(jnp.abs(hi_f))) + log_eps)
+        v = jnp.concatenate([new_v, v[:, -1:]], axis=1)
+        s = jnp.concatenate([new_s, s[:, -1:]], axis=1)
+        e = jnp.concatenate([new_e, e[:, -1:]], axis=1)
+        return (v, s, e), (v[:, 0], e[:, 0])
+
+    _, (out, out_err) = jax.lax.scan(stage, (vec, signs, err), None, length=n + 2)
+    return out.T, out_err.T
+
+
+@functools.cache
+def _wor_plan(orders_key: tuple[float, ...]):
+    orders = np.asarray(orders_key, dtype=np.float64)
+    ints = set()
+    for a in orders:
+        ints.update({int(math.floor(a)), int(math.ceil(a))})
+    ints = np.array(sorted(i for i in ints if i >= 2), dtype=np.int64)
+    max_exact = int(max([i for i in ints if i <= _WOR_EXACT_MAX], default=2))
+    max_all = int(max(ints, default=2))
+    i_idx = np.arange(2, max_all + 1, dtype=np.float64)  # summation index i
+    log_comb = _log_comb(ints[:, None].astype(np.float64), i_idx[None, :])
+    mask = i_idx[None, :] <= ints[:, None]
+    log_comb = np.where(mask, log_comb, 0.0)
+    exact = ints <= _WOR_EXACT_MAX
+    # For each order, the rows of its floor and ceiling integers and the weight t.
+    pos = {int(v): r for r, v in enumerate(ints)}
+    lo_row, hi_row, t = [], [], []
+    for a in orders:
+        f, c = int(math.floor(a)), int(math.ceil(a))
+        lo_row.append(pos.get(f, -1))
+        hi_row.append(pos[c])
+        t.append(a - f)
+    return dict(ints=ints, max_exact=max_exact, i_idx=i_idx, log_comb=log_comb, mask=mask, exact=exact,
+                lo_row=np.array(lo_row), hi_row=np.array(hi_row), t=np.array(t))
+
+
+def _wor_log_a(q, sigma, plan):
+    """log A_α of Theorem 27 at the plan's integers α ≥ 2: shape (batch, n_ints)."""
+    i_idx = plan["i_idx"]
+    n_ex = plan["max_exact"]
+    log_q = jnp.log(jnp.where(q > 0, q, 1.0))[:, None]
+    f2 = 1.0 / sigma**2  # func(2) = 2/(2σ²)
+    log_f2m1 = f2 + jnp.log1p(-jnp.exp(-f2))
+    s2 = jnp.minimum(math.log(4.0) + log_f2m1, f2 + math.log(2.0))  # (batch,)
+    cgf_im1 = (i_idx - 1.0)[None, :] * i_idx[None, :] / (2.0 * sigma[:, None] ** 2)  # cgf(i - 1)
+    stirling = math.log(2.0) + cgf_im1  # (batch, I)
+    deltas, errs = _forward_diffs(sigma, n_ex)  # (batch, n_ex + 2)
+    deltas = jnp.logaddexp(deltas, errs)  # an upper bound on the true |Δ|
+    ii = i_idx[i_idx <= n_ex].astype(np.int64)
+    lo_i = np.maximum(2 * (ii // 2) - 1, 0)
+    hi_i = 2 * ((ii + 1) // 2) - 1
+    fd = math.log(4.0) + 0.5 * (take(deltas, lo_i, axis=1) + take(deltas, hi_i, axis=1))
+    exact_t = jnp.minimum(fd, stirling[:, : len(ii)])
+    exact_t = jnp.concatenate([exact_t, stirling[:, len(ii):]], axis=1)
+    # The i = 2 term (concatenated, not scattered: a scatter's batching rule builds float32
+    # constants under vmap with x64 off).
+    exact_t = jnp.concatenate([s2[:, None], exact_t[:, 1:]], axis=1)
+    stir_t = jnp.concatenate([s2[:, None], stirling[:, 1:]], axis=1)
+    # Rows (orders) up to 256 sum i = 2..n_ex with the exact terms; the few above (512,
+    # 1024) sum the whole range with the Stirling-branch terms (the rows are sorted).
+    n_e = int(np.sum(plan["exact"]))
+    w = len(ii)
+    parts = []
+    for rows, terms, width in ((slice(0, n_e), exact_t, w), (slice(n_e, None), stir_t, len(i_idx))):
+        lc, mk = plan["log_comb"][rows, :width], plan["mask"][rows, :width]
+        if lc.shape[0] == 0:
+            continue
+        term = terms[:, None, :width] + i_idx[None, None, :width] * log_q[:, :, None] + lc[None]
+        term = jnp.where(mk[None], term, -jnp.inf)
+        full = jnp.concatenate([jnp.zeros(term.shape[:2] + (1,)), term], axis=-1)  # log 1 = 0 first
+        parts.append(jax.nn.logsumexp(full, axis=-1))
+    return jnp.concatenate(parts, axis=1)
+
+
+@float64
+def sampled_without_replacement_rdp(orders, q, noise_multiplier) -> jax.Array:
+    r"""RDP of the Gaussian mechanism on a uniform fixed-size subsample (replace-one).
+
+    Theorem 27 of Wang, Balle & Kasiviswanathan (2019) for the Gaussian mechanism
+    (ε(α) = α/(2σ²)): at integer α,
+
+    .. math::
+        A_α = 1 + q^2\binom{α}{2}\min\{4(e^{ε(2)}-1), 2e^{ε(2)}\}
+              + \sum_{j=3}^{α} q^j\binom{α}{j}\min\{4\,\sqrt{Δ_{2⌊j/2⌋}Δ_{2⌈j/2⌉}},\ 2e^{(j-1)ε(j)}\}
+
+    with Δ_ℓ the ℓ-th forward difference of :math:`e^{(x-1)... }` as dp_accounting
+    evaluates it, and ε(α) = log A_α/(α−1); at fractional α the CGF log A is interpolated
+    linearly between ⌊α⌋ and ⌈α⌉ (their Corollary 10); above order 256 the j ≥ 3 terms use
+    the second member of the minimum only (as dp_accounting). q = 0 gives 0, q = 1 gives
+    α/(2σ²).
+
+    Args:
+      orders: Rényi orders > 1, a concrete 1-D sequence (static).
+      q: m/n in [0, 1] (any shape, broadcast with ``noise_multiplier``).
+      noise_multiplier: σ > 0 over the replace-one sensitivity.
+
+    Returns:
+      float64 array ``batch + (k,)``; NaN under ``jit`` for invalid inputs.
+
+    References:
+      Y.-X. Wang, B. Balle, S. Kasiviswanathan, "Subsampled Rényi Differential Privacy and
+      Analytical Moments Accountant", AISTATS 2019, Theorem 27 and Corollary 10;
+      dp_accounting 0.6.0 ``rdp_privacy_accountant._compute_rdp_sample_wor_gaussian``.
+
+    Examples:
+      >>> import jaxdp
+      >>> r = jaxdp.accounting.sampled_without_replacement_rdp([2.0, 8.0], 0.01, 1.0)
+      >>> [round(float(v), 8) for v in r]
+      [0.00054351, 0.00268417]
+    """
+    orders_np = _validate.concrete_orders(orders)
+    _validate.check_in_range("q", q, 0.0, 1.0)
+    _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True)
+    _validate.check_broadcastable(q=q, noise_multiplier=noise_multiplier)
+    return _wor_rdp(orders_np, f64(q), f64(noise_multiplier))
+
+
+def _wor_rdp(orders_np, q, sigma):
+    plan = _wor_plan(tuple(orders_np.tolist()))
+    shape = jnp.broadcast_shapes(jnp.shape(q), jnp.shape(sigma))
+    qf = jnp.broadcast_to(q, shape).reshape(-1)
+    sf = jnp.broadcast_to(sigma, shape).reshape(-1)
+    valid = (qf >= 0) & (qf <= 1) & (sf > 0) & jnp.isfinite(sf)
+    s_safe = jnp.where(valid, sf, 1.0)
+    q_mid = jnp.where(valid & (qf > 0) & (qf < 1), qf, 0.5)
+    log_a = _wor_log_a(q_mid, s_safe, plan)  # (b, n_ints)
+    lo_row, hi_row, t = plan["lo_row"], plan["hi_row"], plan["t"]
+    x = jnp.where(lo_row[None, :] >= 0, take(log_a, np.maximum(lo_row, 0), axis=1), 0.0)  # log A_1 = 0
+    y = take(log_a, hi_row, axis=1)
+    cgf = jnp.where(t[None, :] == 0.0, y, (1.0 - t[None, :]) * x + t[None, :] * y)
+    orders = f64(orders_np)
+    out = cgf / (orders - 1.0)
+    out = jnp.where((qf == 0)[:, None], 0.0, out)
+    out = jnp.where((qf == 1)[:, None], orders / (2.0 * s_safe[:, None] ** 2), out)
+    out = jnp.where(valid[:, None], out, jnp.nan)
+    return out.reshape(shape + (len(orders_np),))
+
+
+# =======================================================================================
+# Sampling with replacement: the indices released (an upper bound).
+# =======================================================================================
+
+
+@float64
+def sampled_with_replacement_rdp(orders, num_records, batch_size: int, noise_multiplier) -> jax.Array:
+    r"""An RDP upper bound for the Gaussian mechanism on m draws with replacement (replace-one).
+
+    With K ~ Binomial(m, 1/n) the number of times the differing record is drawn,
+
+    .. math:: ε(α) = \frac{1}{α-1}\log \sum_{k=0}^{m} \binom{m}{k} n^{-k}(1-1/n)^{m-k}\, e^{α(α-1)k^2/(2σ^2)},
+
+    the exact Rényi divergence of the mechanism that also releases which draws hit the
+    record (post-processing makes it an upper bound; joint convexity gives the same bound
+    directly). Exact for the pair "the record drawn K times vs a record at distance σ
+    drawn K times" once the drawn indices are public; it keeps only first-order
+    amplification in m/n.
+
+    Args:
+      orders: Rényi orders > 1 (static).
+      num_records: n ≥ 1 (any shape).
+      batch_size: m ≥ 0, a static Python int.
+      noise_multiplier: σ > 0 over the replace-one sensitivity.
+
+    Returns:
+      float64 ``batch + (k,)`` (NaN under ``jit`` for invalid inputs; +inf where it overflows).
+
+    Examples:
+      >>> import jaxdp, math
+      >>> r = jaxdp.accounting.sampled_with_replacement_rdp([2.0], 100, 1, 1.0)
+      >>> bool(abs(float(r[0]) - math.log(0.99 + 0.01 * math.e)) < 1e-14)
+      True
+    """
+    orders_np = _validate.concrete_orders(orders)
+    _validate.check_integer("batch_size", batch_size, lo=0.0)
+    _validate.check_in_range("num_records", num_records, 1.0, math.inf)
+    _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True)
+    _validate.check_broadcastable(num_records=num_records, noise_multiplier=noise_multiplier)
+    return _wr_rdp(orders_np, f64(num_records), int(batch_size), f64(noise_multiplier))
+
+
+def _wr_rdp(orders_np, n, m: int, sigma):
+    orders = f64(orders_np)
+    n = n[..., None, None]
+    s = sigma[..., None, None]
+    valid = (n >= 1) & (s > 0) & jnp.isfinite(s)
+    n_safe = jnp.where(valid, n, 2.0)
+    s_safe = jnp.where(valid, s, 1.0)
+    k = np.arange(m + 1, dtype=np.float64)
+    log_comb = _log_comb(float(m), k)
+    p = 1.0 / n_safe
+    log_p = jnp.log(p)
+    log_1mp = jnp.where(n_safe > 1, jnp.log1p(-jnp.where(n_safe > 1, p, 0.5)), -jnp.inf)
+    # k log p + (m - k) log(1-p), with 0 * -inf = 0 where n = 1.
+    log_w = log_comb + k * log_p + jnp.where(k < m, (m - k) * log_1mp, 0.0)
+    a = orders[:, None]
+    expo = a * (a - 1.0) * k**2 / (2.0 * s_safe**2)
+    out = jax.nn.logsumexp(log_w + expo, axis=-1) / (orders - 1.0)
+    out = jnp.maximum(out, 0.0)
+    return jnp.where(valid[..., 0], out, jnp.nan)
+
+
+# =======================================================================================
+# Truncated Poisson: reveal the number of other records drawn.
+# =======================================================================================
+
+# Buckets of k ≥ B (the others' count): B + offsets, linear then geometric, up to c + 1.
+_TP_LINEAR = 32
+_TP_GEOMETRIC = 40
+
+
+def _tp_offsets() -> np.ndarray:
+    lin = np.arange(_TP_LINEAR, dtype=np.float64)
+    geo = np.unique(np.floor(_TP_LINEAR * 1.35 ** np.arange(1, _TP_GEOMETRIC + 1)))
+    return np.concatenate([lin, geo])
+
+
+@jax.custom_jvp
+def _betainc64(a, b, x):
+    """The regularised incomplete beta I_x(a, b), traced as ordinary float64 operations.
+
+    ``jax.scipy.special.betainc`` is a primitive that XLA lowers when the caller's program
+    is compiled, outside jaxdp's float64 scope (it fails with x64 off); its implementation
+    function is called here directly instead. Derivative in x only (a and b are counts).
+    """
+    a, b, x = jnp.broadcast_arrays(a, b, x)
+    if _betainc_impl is None:  # needs x64 on where XLA lowers it; values are the same
+        return jax.scipy.special.betainc(a, b, x)
+    return _betainc_impl(a, b, x, dtype=np.float64)
+
+
+@_betainc64.defjvp
+def _betainc64_jvp(primals, tangents):
+    a, b, x = primals
+    out = _betainc64(a, b, x)
+    lbeta = jax.scipy.special.gammaln(a) + jax.scipy.special.gammaln(b) - jax.scipy.special.gammaln(a + b)
+    xs = jnp.clip(x, 1e-300, 1.0 - 1e-16)
+    dfdx = jnp.exp((b - 1.0) * jnp.log1p(-xs) + (a - 1.0) * jnp.log(xs) - lbeta)
+    return out, dfdx * tangents[2]
+
+
+def _binom_tail(k, c, q):
+    """Pr[Bin(c, q) ≥ k] for real k (0 for k > c, 1 for k ≤ 0)."""
+    kk = jnp.clip(k, 1.0, jnp.maximum(c, 1.0))
+    t = _betainc64(kk, jnp.maximum(c - kk + 1.0, 1.0), q)
+    t = jnp.where(q >= 1, 1.0, jnp.where(q <= 0, 0.0, t))
+    return jnp.where(k <= 0, 1.0, jnp.where(k > c, 0.0, t))
+
+
+def _tp_curve(orders_np, q, c, b, sigma):
+    """log E_N e^{(α-1)ε_N(α)} / (α - 1) for N ~ Bin(c, q) (shapes: batch -> batch + (k,))."""
+    orders = f64(orders_np)
+    am1 = orders - 1.0
+    edges = b[..., None] + f64(_tp_offsets())  # (..., J) left edges of the buckets k ≥ B
+    right = jnp.concatenate([edges[..., 1:], jnp.full(edges.shape[:-1] + (1,), jnp.inf)], axis=-1)
+    cc, qq = c[..., None], q[..., None]
+    mass_hi = _binom_tail(edges, cc, qq) - jnp.where(jnp.isfinite(right), _binom_tail(right, cc, qq), 0.0)
+    mass_hi = jnp.maximum(mass_hi, 0.0) * (1.0 + _TAU_MARGIN)
+    # Pr[N < B] = Pr[Bin(c, 1 - q) ≥ c - B + 1], without the cancellation of 1 - Pr[N ≥ B].
+    mass_lo = jnp.where(b <= 0, 0.0, jnp.minimum(_binom_tail(c - b + 1.0, c, 1.0 - q) * (1.0 + _TAU_MARGIN), 1.0))
+    q_hi = q[..., None] * b[..., None] / (edges + 1.0)
+    eps_hi = sampled_gaussian_rdp(orders_np, q_hi, 0.5 * sigma[..., None])  # (..., J, k)
+    eps_lo = sampled_gaussian_rdp(orders_np, q, sigma)  # (..., k)
+    log_terms = jnp.concatenate(
+        [(jnp.log(jnp.where(mass_lo > 0, mass_lo, 1.0)) + jnp.where(mass_lo > 0, 0.0, -jnp.inf))[..., None, None]
+         + am1 * eps_lo[..., None, :],
+         (jnp.log(jnp.where(mass_hi > 0, mass_hi, 1.0)) + jnp.where(mass_hi > 0, 0.0, -jnp.inf))[..., None]
+         + am1 * eps_hi], axis=-2)
+    return jnp.maximum(jax.nn.logsumexp(log_terms, axis=-2) / am1, 0.0)
+
+
+@float64
+def truncated_poisson_rdp(orders, q, num_records, max_batch_size, noise_multiplier) -> jax.Array:
+    r"""RDP of the Gaussian mechanism on a Poisson sample cut to at most B records (add/remove-one).
+
+    With N ~ Bin(c, q) the number of the c common records drawn,
+    :math:`ε(α) = \frac{1}{α-1}\log \mathbb{E}_N e^{(α-1)ε_N(α)}` where
+    :math:`ε_k = ε_{\mathrm{SGM}}(q, σ)` for k < B and
+    :math:`ε_k = ε_{\mathrm{SGM}}(qB/(k+1), σ/2)` for k ≥ B (:func:`sampled_gaussian_rdp`);
+    the larger curve over c ∈ {n − 1, n}. Over k ≥ B the expectation is taken on buckets
+    (32 single values, then geometric), each charged its largest ε_k (its left edge), so the
+    value is an upper bound. With B ≥ n + 1 it is the Poisson-sampled Gaussian's curve.
+
+    Derivation: releasing N (same law on both data sets) is post-processing in reverse, so
+    the divergence is at most the N-average (joint convexity). For N = k ≥ B the added
+    record is kept with probability B/(k+1) when drawn, and a kept record takes the place
+    of a uniformly random other one (a uniform B-subset is a uniform (B−1)-subset plus one
+    more); releasing that (B−1)-subset and the displaced record leaves the pair
+    ((1−q')N(0, σ²) + q'N(v, σ²), N(0, σ²)) with ‖v‖ ≤ 2 (two clipped records).
+
+    Args:
+      orders: Rényi orders > 1 (static).
+      q: rate in [0, 1]; num_records: n ≥ 1; max_batch_size: B ≥ 0; noise_multiplier:
+        σ > 0 over the add/remove sensitivity (the clipping norm). Broadcast together.
+
+    Returns:
+      float64 ``batch + (k,)`` (NaN under ``jit`` for invalid inputs).
+
+    Examples:
+      >>> import jaxdp, numpy as np
+      >>> A = jaxdp.accounting
+      >>> a = A.truncated_poisson_rdp([2.0, 8.0], 0.01, 1000, 1001, 1.0)  # B > n: never truncates
+      >>> b = A.sampled_gaussian_rdp([2.0, 8.0], 0.01, 1.0)
+      >>> bool(np.max(np.abs(np.asarray(a) - np.asarray(b))) < 1e-12)
+      True
+    """
+    orders_np = _validate.concrete_orders(orders)
+    _validate.check_in_range("q", q, 0.0, 1.0)
+    _validate.check_in_range("num_records", num_records, 1.0, math.inf)
+    _validate.check_in_range("max_batch_size", max_batch_size, 0.0, math.inf)
+    _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True)
+    _validate.check_broadcastable(q=q, num_records=num_records, max_batch_size=max_batch_size,
+                                  noise_multiplier=noise_multiplier)
+    return _tp_rdp(orders_np, f64(q), f64(num_records), f64(max_batch_size), f64(noise_multiplier))
+
+
+def _tp_rdp(orders_np, q, n, b, sigma):
+    shape = jnp.broadcast_shapes(q.shape, n.shape, b.shape, sigma.shape)
+    q, n, b, sigma = (jnp.broadcast_to(x, shape) for x in (q, n, b, sigma))
+    valid = (q >= 0) & (q <= 1) & (n >= 1) & (b >= 0) & (sigma > 0) & jnp.isfinite(sigma) & jnp.isfinite(n)
+    q_s = jnp.where(valid, q, 0.5)
+    n_s = jnp.where(valid, n, 1.0)
+    b_s = jnp.floor(jnp.where(valid, b, 0.0))
+    s_s = jnp.where(valid, sigma, 1.0)
+    out = jnp.maximum(_tp_curve(orders_np, q_s, n_s - 1.0, b_s, s_s), _tp_curve(orders_np, q_s, n_s, b_s, s_s))
+    return jnp.where(valid[..., None], out, jnp.nan)
+
+
+# =======================================================================================
+# What the RDP accountant calls.
+# =======================================================================================
+
+
+def check_support(event, path: str) -> None:
+    """Raise ``ValueError`` unless the inner event is the Gaussian the analysis covers."""
+    inner = event.event
+    need = "add_remove" if isinstance(event, TruncatedPoissonSampled) else "replace_one"
+    name = type(event).__name__
+    if not isinstance(inner, Gaussian):
+        raise ValueError(f"{path}: the RDP accountant supports {name} only of a Gaussian event; got "
+                         f"{name}({type(inner).__name__}).")
+    if inner.relation != need:
+        raise ValueError(f"{path}: the {name} analysis covers relation {need!r} only; got relation "
+                         f"{inner.relation!r}.")
+
+
+def rdp_curve(event, orders: np.ndarray):
+    """The RDP curve of one sampling event (its Gaussian inner event checked by :func:`check_support`)."""
+    sigma = f64(event.event.noise_multiplier)
+    if isinstance(event, SampledWithoutReplacement):
+        n, m = f64(event.num_records), f64(event.batch_size)
+        ok = (n >= 1) & (m >= 0) & (m <= n)
+        q = jnp.where(ok, m / jnp.where(ok, n, 1.0), jnp.nan)
+        return _wor_rdp(orders, q, sigma)
+    if isinstance(event, SampledWithReplacement):
+        return _wr_rdp(orders, f64(event.num_records), event.batch_size, sigma)
+    return _tp_rdp(orders, f64(event.q), f64(event.num_records), f64(event.max_batch_size), sigma)
+
+
+# =======================================================================================
+# Shuffling: the certified statement (no amplification).
+# =======================================================================================
+
+
+def shuffled_event(noise_multiplier, passes) -> SelfComposed:
+    r"""The event a shuffled DP-SGD run is certified by: one Gaussian step per pass, replace-one, no amplification.
+
+    Each pass shuffles the n records by a permutation independent of the data and cuts it
+    into batches. Under replace-one neighbours (n public) both data sets get the same
+    permutation, so given it the differing record is in exactly one batch per pass; that
+    step's clipped sum moves by at most 2C (C the clipping norm) and every other step is
+    unchanged. The run is therefore the adaptive composition of ``passes`` Gaussian
+    mechanisms with noise σC over sensitivity 2C, and averaging over the permutation (the
+    same law on both) does not increase the divergence:
+    ``SelfComposed(Gaussian(σ/2, relation="replace_one"), passes)``.
+
+    No tight analysis of shuffling is known, and shuffling can cost far more than Poisson
+    sampling at the same noise (Chua et al., ICML 2024, arXiv 2403.17673): never report a
+    Poisson ε for a shuffled run. This bound takes no credit for the shuffle at all.
+
+    Args:
+      noise_multiplier: σ > 0, the noise standard deviation over the clipping norm C (as
+        in :func:`dpsgd_event`).
+      passes: number of passes ≥ 0 (epochs).
+
+    Returns:
+      A :class:`SelfComposed` event (replace-one).
+
+    Examples:
+      >>> import jaxdp
+      >>> ev = jaxdp.accounting.shuffled_event(4.0, 4)  # = one Gaussian with σ/2 over √4: μ = 1
+      >>> round(float(jaxdp.accounting.epsilon(ev, 1e-5, accountant="pld", grid_size=2**12)), 3)
+      4.377
+    """
+    _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True)
+    _validate.check_in_range("passes", passes, 0.0, math.inf)
+    _validate.check_broadcastable(noise_multiplier=noise_multiplier, passes=passes)
+    sigma = np.asarray(noise_multiplier, dtype=np.float64) if isinstance(noise_multiplier, (list, tuple)) else noise_multiplier
+    half = sigma / 2.0  # exact in any dtype (a power of two)
+    return SelfComposed(Gaussian(half, relation="replace_one"), passes)
