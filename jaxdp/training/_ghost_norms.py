@@ -127,9 +127,10 @@ def _layer_factors(rec, delta: jax.Array) -> tuple[jax.Array, jax.Array]:
         g = jnp.transpose(delta, dn.out_spec)  # (b, e, *out)
         g = jnp.swapaxes(g.reshape(b, g.shape[1], -1), 1, 2)  # (b, T, e)
         a = _conv_patches(rec["inputs"], rec["conv"])  # (b, T, d)
-    else:
-        a = rec["inputs"].reshape(b, -1, rec["inputs"].shape[-1])
-        g = delta.reshape(b, -1, delta.shape[-1])
+    else:  # the input's last k axes contracted with the kernel's first k (k = 1 but for LinearGeneral)
+        inputs, k = rec["inputs"], len(rec["dims"][0][0])
+        a = inputs.reshape(b, -1, math.prod(inputs.shape[inputs.ndim - k:]))
+        g = delta.reshape(b, a.shape[1], -1)
     return a.astype(jnp.result_type(a.dtype, g.dtype)), g
 
 
