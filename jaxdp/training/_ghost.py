@@ -68,7 +68,7 @@ from flax import nnx
 from ..models import LipschitzDense
 from ._canonical_conv import _conv_with_canonical_vjp
 from ._ghost_norms import _layer_grad_sum, _layer_sq_norm
-from ._per_example import _masked, _safe_clip_factor
+from ._per_example import _masked, _safe_clip_factor, _up, accumulation_dtype
 
 
 # Exactly these classes: a subclass may use its parameters differently (weight norm, LoRA).
@@ -538,10 +538,13 @@ def _fast(loss_fn, model, x, y, clip_norm, calls, mask=None, wrt=nnx.Param) -> t
     # The aux output carries the recorded arrays; the static facts come from the registry.
     records = [{**reg, **arr} for arr, reg in zip(arrays, registry, strict=True)]
     _, deltas = vjp_fn(jnp.ones_like(losses))  # row i of deltas[k] holds example i's δ's at layer k
+    # Norms and sums in float32 at least (bfloat16 layers: see accumulation_dtype); no-ops otherwise.
+    deltas = [_up(d) for d in deltas]
+    records = [{**rec, "inputs": _up(rec["inputs"])} if "inputs" in rec else rec for rec in records]
     sq, per_example = None, []
     for rec, delta in zip(records, deltas, strict=True):
         if "gdef" in rec:
-            pe = _per_layer_grads(rec, delta)
+            pe = jax.tree.map(_up, _per_layer_grads(rec, delta))
             term = sum(jnp.sum(jnp.square(v).reshape(v.shape[0], -1), axis=1) for v in jax.tree.leaves(pe))
         else:
             term, pe = _layer_sq_norm(rec, delta)
@@ -561,6 +564,6 @@ def _fast(loss_fn, model, x, y, clip_norm, calls, mask=None, wrt=nnx.Param) -> t
             sums[rec["recorder"].path + (attr,)] = value
 
     def fill(key_path, leaf):
-        return sums[_state_key(key_path)].astype(leaf.dtype)
+        return sums[_state_key(key_path)].astype(accumulation_dtype(leaf.dtype))
 
     return jax.tree_util.tree_map_with_path(fill, params), norms

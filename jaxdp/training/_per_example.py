@@ -191,6 +191,24 @@ def _per_example_grads_pytree(loss_fn, params, x, y):
     return _per_example_grads(loss_fn, params, x, y)
 
 
+def accumulation_dtype(dtype):
+    """The dtype per-example norms and clipped sums are formed in: the parameters' own, float32 at least.
+
+    A clipping factor or a sum rounded to bfloat16 (8 bits) could exceed the clip norm by
+    0.4%: the sensitivity would no longer be C. float32 and float64 are kept (bit-identical
+    to the parameters' dtype).
+    """
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
+        return jnp.dtype(jnp.float32)
+    return dtype
+
+
+def _up(a: jax.Array) -> jax.Array:
+    """``a`` in :func:`accumulation_dtype` (no-op at float32 and above)."""
+    return a.astype(accumulation_dtype(a.dtype))
+
+
 def _masked(factor: jax.Array, mask) -> jax.Array:
     return factor if mask is None else factor * jnp.asarray(mask).astype(factor.dtype)
 
@@ -205,6 +223,7 @@ def _vmap_clipped(loss_fn, model_or_params, x, y, clip_norm, mask=None, wrt=nnx.
             params, rest, x, y)
     else:
         grads = _per_example_grads(loss_fn, model_or_params, x, y, wrt)
+    grads = jax.tree.map(_up, grads)  # norms and sum in float32 at least (no-op at float32 and above)
     sq = _per_example_sq_norms(grads)
     norms, factor = _safe_clip_factor(sq, clip_norm)
     factor = _masked(factor, mask)
