@@ -135,8 +135,10 @@ def clipped_grad_sum(loss_fn: LossFn, model_or_params, batch, clip_norm, *,
     ``nnx.MultiHeadAttention``), ``nnx.LoRALinear``, ``nnx.Conv`` (no mask,
     ``feature_group_count=1``), ``nnx.Embed`` and :class:`jaxdp.models.LipschitzDense`
     (a contraction of the input's last axes with the kernel's first ones: :math:`a_t` the
-    flattened contracted axes). Parameters held by any other module (``nnx.LayerNorm``,
-    ``nnx.RMSNorm``, ``nnx.LoRA`` adapters, ``nnx.Einsum``, a user's layer) get their
+    flattened contracted axes), and ``nnx.Einsum`` whose contraction is a sum of outer
+    products (per group of kernel axes shared by input and output, such as heads).
+    Parameters held by any other module (``nnx.LayerNorm``, ``nnx.RMSNorm``, ``nnx.LoRA``
+    adapters, another ``nnx.Einsum``, a user's layer) get their
     per-example gradients *per layer*: ``vmap`` over the examples of that module's own
     backward pass, from its recorded inputs and :math:`\delta`, which materialises ``b``
     copies of that module's parameters only (cheap for norms' scales and low-rank

@@ -37,8 +37,10 @@ clipping: each clipped term has norm ≤ C. (The copy also holds every owned par
 stop_gradient(p), each intercepted call adding p − stop_gradient(p), an exact zero, at its
 own use of p, so that any gradient taken through the copy has the same property.)
 
-Layers without a formula here (nnx.LayerNorm, nnx.RMSNorm, nnx.LoRA, nnx.Einsum, any module
-holding trainable parameters directly) are recorded whole: their inputs, and δ at their
+nnx.Einsum is intercepted through its ``einsum_op`` attribute when its contraction factors
+(``_ghost_norms._einsum_plan``: positions, groups such as heads, contracted and output axes).
+Layers without a formula here (nnx.LayerNorm, nnx.RMSNorm, nnx.LoRA, other nnx.Einsum
+contractions, any module holding trainable parameters directly) are recorded whole: their inputs, and δ at their
 output; example i's gradient of the layer's own parameters is then the vector-Jacobian
 product of the layer's forward pass on its inputs (a batch of one) with δ_i, vmapped over
 the examples. That materialises b copies of that layer's parameters only (the norm
@@ -67,7 +69,7 @@ from flax import nnx
 
 from ..models import LipschitzDense
 from ._canonical_conv import _conv_with_canonical_vjp
-from ._ghost_norms import _layer_grad_sum, _layer_sq_norm
+from ._ghost_norms import _einsum_plan, _layer_grad_sum, _layer_sq_norm
 from ._per_example import _masked, _safe_clip_factor, _up, accumulation_dtype
 
 
@@ -80,7 +82,14 @@ _OWNED = {nnx.Linear: ("kernel", "bias"), nnx.Conv: ("kernel", "bias"), nnx.Embe
 # parameters are few (a scale and a bias per feature; low-rank adapters), so this costs
 # about one forward pass of the layer and b copies of its parameters, not of the model's.
 # Any other module holding trainable parameters takes the same per-layer path with a warning.
-_PER_LAYER = (nnx.LayerNorm, nnx.RMSNorm, nnx.LoRA, nnx.Einsum)
+_PER_LAYER = (nnx.LayerNorm, nnx.RMSNorm, nnx.LoRA, nnx.Einsum)  # Einsum: when its contraction is not factored
+
+
+def _einsum_layer_plan(m):
+    """The factoring of an ``nnx.Einsum`` (``_ghost_norms._einsum_plan``), or None (then per layer)."""
+    if not isinstance(m.einsum_str, str):
+        return None
+    return _einsum_plan(m.einsum_str, m.kernel.ndim, None if m.bias is None else m.bias.ndim)
 
 # Prefix of the note a recorder adds to an exception raised inside its layer's call.
 _NOTE = "jaxdp fast path, in layer: "
@@ -191,6 +200,20 @@ class _ConvRecorder(_Recorder):
         return self._finish(out, {"inputs": lhs, "conv": conv})
 
 
+class _EinsumRecorder(_Recorder):
+    kind = "einsum"
+
+    @_names_layer
+    def __call__(self, spec, lhs, rhs, *args, **kwargs):
+        plan = _einsum_plan(spec, rhs.ndim, None if "bias" not in self.params else self.params["bias"].ndim)
+        if plan is None:  # another contraction given at call time
+            self.registry.append({"recorder": None, "why": f"{self.layer} called with the contraction {spec!r}"})
+            return self.original(spec, lhs, rhs, *args, **kwargs)
+        rhs = _live(rhs, self.params["kernel"])
+        out = self.original(spec, lhs, rhs, *args, **kwargs)
+        return self._finish(out, {"inputs": lhs, "einsum": plan})
+
+
 class _RecordingEmbed(nnx.Embed):
     """nnx.Embed whose calls are recorded (set on the instrumented copy only)."""
 
@@ -260,7 +283,9 @@ def _owners(model: nnx.Module, trainable=None) -> tuple[tuple | None, str | None
         if m is None:
             holder = modules.get(owner[:-1], model)
             return None, f"{_describe(holder, owner[:-1])}, which holds the parameter '{owner[-1]}' in a container"
-        if type(m) in _OWNED:
+        if type(m) is nnx.Einsum and _einsum_layer_plan(m) is not None and set(attrs) <= {"kernel", "bias"}:
+            layers[owner] = m
+        elif type(m) in _OWNED:
             # A masked kernel's gradient is masked; grouped convolutions are not factored here.
             if type(m) is nnx.Conv and m.mask is not None:
                 return None, f"{_describe(m, owner)} with a kernel mask"
@@ -319,6 +344,8 @@ def _instrumented(graphdef, rest, registry, owners):
             elif kind in (nnx.Linear, nnx.LinearGeneral, nnx.LoRALinear):
                 original = m.dot_general if m.dot_general is not None else jax.lax.dot_general  # LinearGeneral's default
                 m.dot_general = _LinearRecorder(original, registry, probes, real, path, layer)
+            elif kind is nnx.Einsum:
+                m.einsum_op = _EinsumRecorder(m.einsum_op, registry, probes, real, path, layer)
             elif kind is nnx.Conv:
                 m.conv_general_dilated = _ConvRecorder(m.conv_general_dilated, registry, probes, real, path, layer)
             elif kind is nnx.Embed:
@@ -361,6 +388,8 @@ def _record_unsupported(rec, b: int) -> str | None:
     if len(rec["shape"]) < 1 or rec["shape"][0] != b or inputs.ndim < 1 or inputs.shape[0] != b:
         return f"{recorder.layer} applied to an input without the batch on its leading axis"
     if "ids" in rec:
+        return None
+    if "einsum" in rec:
         return None
     if "gdef" in rec:
         if any(a.ndim < 1 or a.shape[0] != b for a in rec["args"]):

@@ -137,15 +137,24 @@ class _Einsums(nnx.Module):
     def __init__(self, rngs):
         self.qkv = nnx.Einsum("btd,dnh->btnh", (6, 2, 3), (2, 3), rngs=rngs, **F64)
         self.out = nnx.Einsum("btnh,nhd->btd", (2, 3, 5), (5,), rngs=rngs, **F64)
-        self.head = nnx.Einsum("btd,do->bo", (5, 1), rngs=rngs, **F64)
+        self.per_head = nnx.Einsum("btnh,nhk->btnk", (2, 3, 4), (2, 4), rngs=rngs, **F64)  # heads: groups
+        self.head = nnx.Einsum("btd,do->bo", (5, 1), rngs=rngs, **F64)  # sums over t: per layer
 
     def __call__(self, x):
-        return self.head(jnp.tanh(self.out(jnp.tanh(self.qkv(x)))))
+        h = jnp.tanh(self.qkv(x))
+        h = jnp.tanh(self.out(h)) + jnp.tanh(self.per_head(h)).sum(axis=(2, 3))[..., None]
+        return self.head(h)
 
 
-def test_einsum():
-    x, y = _data(4, (5, 6), seed=2)
-    _check(_Einsums(nnx.Rngs(0)), x, y)
+@pytest.mark.parametrize("t", [1, 2, 5, 40])  # T = 2: the Gram form for qkv (T(d+e) < de)
+def test_einsum(t):
+    """Ghost norms per group of the contraction (Gram or materialised by cost), and the
+    per-layer path for the read-out that sums over positions inside the contraction."""
+    model = _Einsums(nnx.Rngs(t))
+    x, y = _data(4, (t, 6), seed=2 + t)
+    _check(model, x, y)
+    layers, per_layer, _ = _ghost._owners(model)[0]
+    assert set(layers) == {("qkv",), ("out",), ("per_head",)} and set(per_layer) == {("head",)}
 
 
 class _Norms(nnx.Module):
