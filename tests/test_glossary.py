@@ -33,7 +33,7 @@ GLOSSARY = {
     "noise_temperature", "prox_lipschitz", "batch_index", "max_spectral_norm", "power_iterations", "penalty",
     "weight_decay",
     # DP-SGD
-    "optimizer", "algorithm", "capacity", "overflow", "mask",
+    "optimizer", "algorithm", "capacity", "overflow", "mask", "micro_batch_size",
     # truncated Poisson sampling (the cap on a batch; records beyond it are dropped)
     "max_batch_size",
     # randomness: the public order and the secret noise key
@@ -120,6 +120,7 @@ _LOCAL_NAMES = {
     "mechanism", "options",  # train(model, data, mechanism, options=RunOptions(...))
     "checkpoint_key",  # RunOptions: the HMAC key of the checkpoints
     "devices", "mesh",  # data parallelism: where the batch is split (jax devices or a Mesh)
+    "wrt", "trainable",  # nnx filters of the trained parameters (the others are frozen, public)
 }
 
 

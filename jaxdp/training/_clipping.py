@@ -68,7 +68,7 @@ class ClippedGrads(NamedTuple):
     norms: jax.Array
 
 
-def fast_path_supported(loss_fn: LossFn, model_or_params, batch) -> bool:
+def fast_path_supported(loss_fn: LossFn, model_or_params, batch, *, wrt=nnx.Param) -> bool:
     """True when :func:`clipped_grad_sum` would use the fast path.
 
     That is: ``model_or_params`` is an NNX module all of whose ``nnx.Param`` variables are
@@ -81,7 +81,7 @@ def fast_path_supported(loss_fn: LossFn, model_or_params, batch) -> bool:
     if not isinstance(model_or_params, nnx.Module):
         return False
     x, y = _check_batch(batch)
-    return _discover(loss_fn, model_or_params, x, y) is not None
+    return _discover(loss_fn, model_or_params, x, y, wrt) is not None
 
 def per_example_grad_norms(loss_fn: LossFn, model_or_params, batch) -> jax.Array:
     r"""Per-example gradient norms :math:`\lVert\nabla_\theta \ell_i\rVert`, shape ``(b,)``.
@@ -100,7 +100,7 @@ def per_example_grad_norms(loss_fn: LossFn, model_or_params, batch) -> jax.Array
 
 
 def clipped_grad_sum(loss_fn: LossFn, model_or_params, batch, clip_norm, *,
-                     use_fast_path: bool | None = None, mask=None) -> ClippedGrads:
+                     use_fast_path: bool | None = None, mask=None, wrt=nnx.Param) -> ClippedGrads:
     r"""Sum of per-example clipped gradients, with a fast path for dense, conv and embedding layers.
 
     .. math::
@@ -131,11 +131,21 @@ def clipped_grad_sum(loss_fn: LossFn, model_or_params, batch, clip_norm, *,
     layers. All :math:`\delta` come from one backward pass of :math:`\sum_i \ell_i` with
     respect to zero probes added to the layer outputs; :math:`S` is then formed per layer
     from the same inputs and :math:`c_i\delta`, one contraction per layer.
-    It applies when every ``nnx.Param`` of the model belongs to an ``nnx.Linear``,
-    ``nnx.Conv`` (no mask, ``feature_group_count=1``), ``nnx.Embed`` or
-    :class:`jaxdp.models.LipschitzDense` that is applied exactly once to an input whose
-    leading axis is the batch (checked at trace time, from shapes only); otherwise
-    (``nnx.LayerNorm``, shared or tied layers, ...) the general ``vmap(grad)`` path runs,
+    It applies to the trainable parameters of ``nnx.Linear``, ``nnx.LinearGeneral`` (so
+    ``nnx.MultiHeadAttention``), ``nnx.LoRALinear``, ``nnx.Conv`` (no mask,
+    ``feature_group_count=1``), ``nnx.Embed`` and :class:`jaxdp.models.LipschitzDense`
+    (a contraction of the input's last axes with the kernel's first ones: :math:`a_t` the
+    flattened contracted axes), and ``nnx.Einsum`` whose contraction is a sum of outer
+    products (per group of kernel axes shared by input and output, such as heads).
+    Parameters held by any other module (``nnx.LayerNorm``, ``nnx.RMSNorm``, ``nnx.LoRA``
+    adapters, another ``nnx.Einsum``, a user's layer) get their
+    per-example gradients *per layer*: ``vmap`` over the examples of that module's own
+    backward pass, from its recorded inputs and :math:`\delta`, which materialises ``b``
+    copies of that module's parameters only (cheap for norms' scales and low-rank
+    adapters). A module outside that list is named in one ``UserWarning``. Every layer must
+    be applied exactly once to an input whose leading axis is the batch (checked at trace
+    time, from shapes only); otherwise (shared or tied layers, a module holding random
+    state and parameters, ...) the general ``vmap(grad)`` path runs for the whole model,
     and with ``use_fast_path=None`` a ``UserWarning`` names the layer type it could not
     handle (once per model type and reason).
 
@@ -154,10 +164,13 @@ def clipped_grad_sum(loss_fn: LossFn, model_or_params, batch, clip_norm, *,
       clip_norm: :math:`C > 0`.
       use_fast_path: ``None`` (default) picks automatically, warning when it falls back;
         ``False`` forces ``vmap(grad)``; ``True`` raises ``ValueError`` (naming the layer)
-        if the fast path does not apply.
+        if the fast path does not apply to every layer.
       mask: optional ``(b,)`` booleans (or 0/1 weights): rows with ``False`` are padding
         and contribute nothing to ``grad_sum`` (their norms are still returned). This is
         how a Poisson-sampled batch of random size runs in a padded batch of static shape.
+      wrt: an nnx filter of the trainable parameters (default every ``nnx.Param``; e.g.
+        ``nnx.LoRAParam`` for LoRA fine-tuning): only these are differentiated, clipped
+        and summed; the others are public constants (``grad_sum`` holds the trainable ones).
 
     Returns:
       :class:`ClippedGrads` ``(grad_sum, norms)``: ``grad_sum`` is shaped like the
@@ -167,7 +180,8 @@ def clipped_grad_sum(loss_fn: LossFn, model_or_params, batch, clip_norm, *,
     References:
       Goodfellow, "Efficient per-example gradient computations" (2015), arXiv:1510.01799;
       Li, Tramèr, Liang, Hashimoto, "Large language models can be strong differentially
-      private learners" (ghost clipping, ICLR 2022).
+      private learners" (ghost clipping, ICLR 2022); Bu, Wang, Zha, Karypis, "Differentially
+      private optimization on large model at small cost" (book-keeping, ICML 2023).
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -185,15 +199,15 @@ def clipped_grad_sum(loss_fn: LossFn, model_or_params, batch, clip_norm, *,
         mask = jnp.asarray(mask)
         if mask.shape != (x.shape[0],):
             raise ValueError(f"mask must have shape ({x.shape[0]},), one entry per example; got {mask.shape}.")
-    return _dispatch(loss_fn, model_or_params, x, y, clip_norm, use_fast_path, mask)
+    return _dispatch(loss_fn, model_or_params, x, y, clip_norm, use_fast_path, mask, wrt)
 
 
-def _dispatch(loss_fn, model_or_params, x, y, clip_norm, use_fast_path, mask=None) -> ClippedGrads:
+def _dispatch(loss_fn, model_or_params, x, y, clip_norm, use_fast_path, mask=None, wrt=nnx.Param) -> ClippedGrads:
     # One compiled program per (loss_fn, model structure, shapes): called eagerly this
     # avoids op-by-op dispatch; inside the caller's jit it is simply inlined.
     if isinstance(model_or_params, nnx.Module):
-        graphdef, params, rest = nnx.split(model_or_params, nnx.Param, ...)
-        return _clipped_module(loss_fn, graphdef, params, rest, x, y, clip_norm, use_fast_path, mask)
+        graphdef, params, rest = nnx.split(model_or_params, wrt, ...)
+        return _clipped_module(loss_fn, graphdef, params, rest, x, y, clip_norm, use_fast_path, mask, wrt)
     if use_fast_path:
         raise ValueError(_NO_FAST_PATH)
     return _clipped_pytree(loss_fn, model_or_params, x, y, clip_norm, mask)
@@ -201,23 +215,24 @@ def _dispatch(loss_fn, model_or_params, x, y, clip_norm, use_fast_path, mask=Non
 
 _NO_FAST_PATH = (
     "use_fast_path=True but the fast path does not apply: the model must be an NNX module "
-    "whose every nnx.Param belongs to an nnx.Linear, nnx.Conv (no mask, feature_group_count=1), "
-    "nnx.Embed or jaxdp.models.LipschitzDense applied exactly once to an input with the batch on its leading axis, and "
+    "whose every trainable parameter belongs to an nnx.Linear, nnx.LinearGeneral, nnx.LoRALinear, nnx.Conv (no mask, "
+    "feature_group_count=1), nnx.Embed, jaxdp.models.LipschitzDense, nnx.LayerNorm, nnx.RMSNorm, nnx.LoRA or "
+    "nnx.Einsum applied exactly once to an input with the batch on its leading axis, and "
     "loss_fn must return a (batch,) vector of per-example losses."
 )
 
 
-@functools.partial(jax.jit, static_argnames=("loss_fn", "graphdef", "use_fast_path"))
-def _clipped_module(loss_fn, graphdef, params, rest, x, y, clip_norm, use_fast_path, mask=None):
+@functools.partial(jax.jit, static_argnames=("loss_fn", "graphdef", "use_fast_path", "wrt"))
+def _clipped_module(loss_fn, graphdef, params, rest, x, y, clip_norm, use_fast_path, mask=None, wrt=nnx.Param):
     model = nnx.merge(graphdef, params, rest)
-    calls, why = (None, None) if use_fast_path is False else _diagnose(loss_fn, model, x, y)
-    if use_fast_path and calls is None:
+    calls, why = (None, None) if use_fast_path is False else _diagnose(loss_fn, model, x, y, wrt)
+    if use_fast_path and (calls is None or why is not None):
         raise ValueError(_NO_FAST_PATH + (f" Here: {why}." if why else ""))
-    if calls is None and why is not None:  # at trace time: once per compilation, deduplicated
-        _warn_fallback(model, why)
+    if why is not None:  # at trace time: once per compilation, deduplicated
+        _warn_fallback(model, why, per_layer=calls is not None)
     if calls is not None:
-        return ClippedGrads(*_fast(loss_fn, model, x, y, clip_norm, calls, mask))
-    return ClippedGrads(*_vmap_clipped(loss_fn, model, x, y, clip_norm, mask))
+        return ClippedGrads(*_fast(loss_fn, model, x, y, clip_norm, calls, mask, wrt))
+    return ClippedGrads(*_vmap_clipped(loss_fn, model, x, y, clip_norm, mask, wrt))
 
 
 @functools.partial(jax.jit, static_argnames=("loss_fn",))

@@ -40,6 +40,7 @@ from flax import nnx
 from .. import _validate
 from ._clipping import clipped_grad_sum
 from ._parallel import AXIS, parallel_clipped_grad_sum
+from ._per_example import accumulation_dtype
 from ._transforms import add_gaussian_noise
 
 __all__ = ["DPSGDStepOutput", "batch_capacity", "dpsgd", "dpsgd_step", "poisson_sample"]
@@ -169,6 +170,15 @@ def dpsgd(optimizer, noise_multiplier, clip_norm, batch_size, key) -> optax.Grad
     )
 
 
+def _micro_batches(capacity: int, micro_batch_size: int, devices: int) -> tuple[int, int]:
+    """``(m, k)``: the micro-batch size rounded up to a multiple of ``devices``, and the
+    number ``k`` of micro-batches that cover ``capacity`` rows (all run in every step)."""
+    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, (int, np.integer)) or micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be an integer >= 1; got {micro_batch_size!r}.")
+    m = -(-int(micro_batch_size) // devices) * devices
+    return m, -(-int(capacity) // m)
+
+
 class DPSGDStepOutput(NamedTuple):
     """What one :func:`dpsgd_step` returns beside the new state.
 
@@ -185,7 +195,7 @@ class DPSGDStepOutput(NamedTuple):
 
 def dpsgd_step(loss_fn, graphdef, rest, tx: optax.GradientTransformation, params: Any, opt_state: Any,
                sample_key: jax.Array, x: jax.Array, y: jax.Array, q, clip_norm, capacity: int, *,
-               use_fast_path: bool | None = None, mesh=None):
+               use_fast_path: bool | None = None, mesh=None, micro_batch_size: int | None = None, wrt=nnx.Param):
     r"""One DP-SGD step on the whole training set ``(x, y)``: sample, clip, sum, update.
 
     Pure and jittable (``capacity`` is static); scan it over steps. The Poisson sample comes
@@ -203,10 +213,28 @@ def dpsgd_step(loss_fn, graphdef, rest, tx: optax.GradientTransformation, params
     same draw as on one device). Pass replicated ``params``/``opt_state``/``x``/``y``
     (:func:`~jaxdp.training.replicate`).
 
+    **Gradient accumulation** (``micro_batch_size`` :math:`m`, static): the sampled indices
+    are processed in micro-batches of :math:`m` rows, :math:`\lceil c/m\rceil` of them in a
+    ``lax.scan`` (``c`` the capacity), then more in the ``while_loop`` only if the batch
+    exceeds :math:`m\lceil c/m\rceil`. Each micro-batch's clipped sum is added to one
+    accumulator, and ``tx`` adds the noise once, to the whole sum: the same update as
+    without micro-batches, up to the order of the floating-point additions, and the same
+    sample and noise for the same keys (the guarantee does not change). Memory is that of
+    one micro-batch. With ``mesh``, :math:`m` is rounded up to a multiple of the device count.
+
+    **Precision**: the clipped sum is accumulated in float32 at least (bfloat16 or float16
+    parameters get float32 gradients sums, and the noise of ``tx`` is then drawn in float32);
+    float32 and float64 parameters keep their dtype.
+
+    ``wrt``: the nnx filter of the trainable parameters (``params`` holds exactly these;
+    the frozen ones are in ``rest``): only they are clipped, summed and noised.
+
     Returns:
       ``(params, opt_state, DPSGDStepOutput)``.
     """
-    if mesh is not None:
+    if micro_batch_size is not None:
+        capacity, fixed = _micro_batches(capacity, micro_batch_size, 1 if mesh is None else mesh.shape[AXIS])
+    elif mesh is not None:
         devices = mesh.shape[AXIS]
         capacity = -(-int(capacity) // devices) * devices
     n = x.shape[0]
@@ -220,19 +248,25 @@ def dpsgd_step(loss_fn, graphdef, rest, tx: optax.GradientTransformation, params
         idx = jax.lax.dynamic_slice(padded, (k * capacity,), (capacity,))
         valid = k * capacity + jnp.arange(capacity) < size
         if mesh is None:
-            cg = clipped_grad_sum(loss_fn, model, (x[idx], y[idx]), clip_norm, mask=valid, use_fast_path=use_fast_path)
+            cg = clipped_grad_sum(loss_fn, model, (x[idx], y[idx]), clip_norm, mask=valid, use_fast_path=use_fast_path,
+                                  wrt=wrt)
         else:
             cg = parallel_clipped_grad_sum(loss_fn, model, (x[idx], y[idx]), clip_norm, mesh, mask=valid,
-                                           use_fast_path=use_fast_path)
+                                           use_fast_path=use_fast_path, wrt=wrt)
         acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, cg.grad_sum)
         maxn = jnp.maximum(maxn, jnp.max(jnp.where(valid, cg.norms, 0.0)).astype(maxn.dtype))
         return k + 1, acc, maxn
 
-    zero = jax.tree.map(jnp.zeros_like, params)
-    # The first chunk runs outside the loop (a padded empty batch adds exact zeros): the
-    # common one-chunk step is then straight-line code, which matters on CPU, where XLA runs
-    # convolutions inside a while loop about 10x slower than outside.
-    first = body((jnp.zeros((), jnp.int32), zero, jnp.zeros((), jnp.float32)))
+    zero = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=accumulation_dtype(p.dtype)), params)
+    if micro_batch_size is None:
+        # The first chunk runs outside the loop (a padded empty batch adds exact zeros): the
+        # common one-chunk step is then straight-line code, which matters on CPU, where XLA runs
+        # convolutions inside a while loop about 10x slower than outside.
+        first = body((jnp.zeros((), jnp.int32), zero, jnp.zeros((), jnp.float32)))
+    else:
+        # Fixed-shape micro-batches covering the capacity in a scan; the rare overflow after.
+        first = jax.lax.scan(lambda c, _: (body(c), None), (jnp.zeros((), jnp.int32), zero,
+                             jnp.zeros((), jnp.float32)), None, length=fixed)[0]
     _, grad_sum, maxn = jax.lax.while_loop(lambda c: c[0] < chunks, body, first)
     updates, opt_state = tx.update(grad_sum, opt_state, params)
     params = optax.apply_updates(params, updates)

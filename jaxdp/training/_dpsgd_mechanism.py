@@ -25,6 +25,7 @@ from ._config import frozen_config, replace
 from ._dpsgd import batch_capacity, dpsgd, dpsgd_step
 from ._ledger import DPSGDLedger, privacy_report
 from ._parallel import replicate
+from ._per_example import _up
 from ._plan import _is_schedule, declared_loss_fn
 from ._run import FORMAT, Run, certify_noise, param_dtype
 from ._transforms import _learning_rate_fn
@@ -64,6 +65,13 @@ class DPSGDMechanism:
       optimizer: any optax optimizer (not both).
       loss_fn: ``loss_fn(model, x, y) -> (b,)``; default the model's own ``loss(x, y)``.
       use_fast_path: passed to :func:`~jaxdp.training.clipped_grad_sum`.
+      micro_batch_size: gradient accumulation: each step's Poisson batch is processed in
+        micro-batches of this many rows inside the one compiled step (memory of one
+        micro-batch); the clipped sum is the same, the noise added once, the accounting
+        unchanged (see :func:`~jaxdp.training.dpsgd_step`). Default: one padded batch.
+      trainable: nnx filter of the trained parameters (default every ``nnx.Param``; e.g.
+        ``nnx.LoRAParam``): only these are clipped, noised and updated; the others are
+        public and stay as they are.
 
     Examples:
       >>> DPSGDMechanism(clip_norm=1.0, noise_multiplier=1.1, learning_rate=0.5).passes
@@ -83,6 +91,8 @@ class DPSGDMechanism:
     optimizer: optax.GradientTransformation | None = None
     loss_fn: Callable | None = None
     use_fast_path: bool | None = None
+    micro_batch_size: int | None = None
+    trainable: Any = nnx.Param
 
     def __post_init__(self):
         _config.check_noise_or_target("DPSGDMechanism", "noise_multiplier", self.noise_multiplier, self.target_epsilon)
@@ -99,6 +109,8 @@ class DPSGDMechanism:
             _config.check_positive("learning_rate", self.learning_rate)
         _config.check_callable("loss_fn", self.loss_fn, "loss_fn(model, x, y) -> per-example losses (b,)")
         _config.check_flag("use_fast_path", self.use_fast_path, allow_none=True)
+        if self.micro_batch_size is not None:
+            _config.check_count("micro_batch_size", self.micro_batch_size)
 
 
 class DPSGDState(NamedTuple):
@@ -150,9 +162,8 @@ def setup(mech: DPSGDMechanism, model, x, y, x_bound, *, delta, order_seed, secr
         mech = replace(mech, noise_multiplier=nu, target_epsilon=None)
     nu = float(nu)
 
-    params0 = nnx.split(model, nnx.Param, ...)[1]
+    graphdef, params0, rest = nnx.split(model, mech.trainable, ...)
     pdtype = param_dtype(params0)
-    graphdef, _, rest = nnx.split(model, nnx.Param, ...)
     config = {
         "format": FORMAT, "mechanism": "dpsgd", "model": type(model).__qualname__,
         "loss_fn": getattr(loss_fn, "__qualname__", repr(loss_fn)),
@@ -161,6 +172,10 @@ def setup(mech: DPSGDMechanism, model, x, y, x_bound, *, delta, order_seed, secr
         "noise_multiplier": nu, "clip_norm": clip_norm, "batch_size": batch_size,
         "passes": passes, "delta": float(delta), "order_seed": int(order_seed), "steps_per_call": steps_per_call,
     }
+    if mech.micro_batch_size is not None:  # the sums' order: part of a bit-identical resume
+        config["micro_batch_size"] = int(mech.micro_batch_size)
+    if mech.trainable is not nnx.Param:
+        config["trainable"] = repr(mech.trainable)
     k_noise, k_sample = jax.random.split(secret)
     tx = dpsgd(optimizer, nu, clip_norm, float(batch_size), k_noise)
     ledger = DPSGDLedger(
@@ -169,7 +184,8 @@ def setup(mech: DPSGDMechanism, model, x, y, x_bound, *, delta, order_seed, secr
         batch_size=batch_size, records=n, passes=passes, steps_per_pass=steps_per_pass, total_steps=total,
         steps_done=0, capacity=capacity, delta=float(delta), order_seed=int(order_seed), fixed_noise_seed=fixed_seed,
         max_grad_norm=0.0)
-    state = DPSGDState(params=params0, opt_state=tx.init(params0), step=jnp.zeros((), jnp.int32),
+    # The optimizer sees the float32 (at least) clipped sum: its state in that dtype too.
+    state = DPSGDState(params=params0, opt_state=tx.init(jax.tree.map(_up, params0)), step=jnp.zeros((), jnp.int32),
                        max_grad_norm=jnp.zeros((), jnp.float32), sample_key=k_sample)
 
     X, Y = jnp.asarray(x, dtype=pdtype), jnp.asarray(y)
@@ -180,7 +196,8 @@ def setup(mech: DPSGDMechanism, model, x, y, x_bound, *, delta, order_seed, secr
         params, opt_state, step, maxn, key = carry
         key, k_step = jax.random.split(key)
         params, opt_state, out = dpsgd_step(loss_fn, graphdef, rest, tx, params, opt_state, k_step, X, Y, q,
-                                            clip_norm, capacity, use_fast_path=mech.use_fast_path, mesh=mesh)
+                                            clip_norm, capacity, use_fast_path=mech.use_fast_path, mesh=mesh,
+                                            micro_batch_size=mech.micro_batch_size, wrt=mech.trainable)
         return params, opt_state, step + 1, jnp.maximum(maxn, out.max_grad_norm), key
 
     run_one = jax.jit(one)

@@ -37,6 +37,20 @@ clipping: each clipped term has norm ≤ C. (The copy also holds every owned par
 stop_gradient(p), each intercepted call adding p − stop_gradient(p), an exact zero, at its
 own use of p, so that any gradient taken through the copy has the same property.)
 
+nnx.Einsum is intercepted through its ``einsum_op`` attribute when its contraction factors
+(``_ghost_norms._einsum_plan``: positions, groups such as heads, contracted and output axes).
+Layers without a formula here (nnx.LayerNorm, nnx.RMSNorm, nnx.LoRA, other nnx.Einsum
+contractions, any module holding trainable parameters directly) are recorded whole: their inputs, and δ at their
+output; example i's gradient of the layer's own parameters is then the vector-Jacobian
+product of the layer's forward pass on its inputs (a batch of one) with δ_i, vmapped over
+the examples. That materialises b copies of that layer's parameters only (the norm
+layers' scales, LoRA's low-rank adapters: few), and is exact for any layer whose output
+row i depends on input row i only. Layers outside ``_PER_LAYER`` are named in one warning.
+
+Trainable parameters are those of the ``wrt`` filter (default every ``nnx.Param``): the
+others are public constants, neither intercepted nor clipped (LoRA fine-tuning: the base
+kernels frozen, only ``nnx.LoRAParam`` counted).
+
 The per-layer norms and sums from (a, δ) are in :mod:`jaxdp.training._ghost_norms`.
 """
 
@@ -55,13 +69,27 @@ from flax import nnx
 
 from ..models import LipschitzDense
 from ._canonical_conv import _conv_with_canonical_vjp
-from ._ghost_norms import _layer_grad_sum, _layer_sq_norm
-from ._per_example import _masked, _safe_clip_factor
+from ._ghost_norms import _einsum_plan, _layer_grad_sum, _layer_sq_norm
+from ._per_example import _masked, _safe_clip_factor, _up, accumulation_dtype
 
 
 # Exactly these classes: a subclass may use its parameters differently (weight norm, LoRA).
 _OWNED = {nnx.Linear: ("kernel", "bias"), nnx.Conv: ("kernel", "bias"), nnx.Embed: ("embedding",),
-          LipschitzDense: ("kernel",)}
+          LipschitzDense: ("kernel",), nnx.LinearGeneral: ("kernel", "bias"), nnx.LoRALinear: ("kernel", "bias")}
+
+# Layers whose per-example gradients are formed per layer (vmap over the examples of the
+# layer's own backward pass, from its recorded inputs and output gradients): their
+# parameters are few (a scale and a bias per feature; low-rank adapters), so this costs
+# about one forward pass of the layer and b copies of its parameters, not of the model's.
+# Any other module holding trainable parameters takes the same per-layer path with a warning.
+_PER_LAYER = (nnx.LayerNorm, nnx.RMSNorm, nnx.LoRA, nnx.Einsum)  # Einsum: when its contraction is not factored
+
+
+def _einsum_layer_plan(m):
+    """The factoring of an ``nnx.Einsum`` (``_ghost_norms._einsum_plan``), or None (then per layer)."""
+    if not isinstance(m.einsum_str, str):
+        return None
+    return _einsum_plan(m.einsum_str, m.kernel.ndim, None if m.bias is None else m.bias.ndim)
 
 # Prefix of the note a recorder adds to an exception raised inside its layer's call.
 _NOTE = "jaxdp fast path, in layer: "
@@ -126,8 +154,8 @@ class _Recorder:
         self.path = path  # the layer's path in the model (keys of its parameters' State)
         self.layer = layer  # the layer's type and path, for the messages
 
-    def _finish(self, out, record):
-        if "bias" in self.params:
+    def _finish(self, out, record, live_bias=True):
+        if live_bias and "bias" in self.params:
             out = _live(out, self.params["bias"])  # gives the gradient to the bias flax adds next
         position = len(self.registry)
         record.update(recorder=self, shape=out.shape, dtype=out.dtype)
@@ -172,6 +200,20 @@ class _ConvRecorder(_Recorder):
         return self._finish(out, {"inputs": lhs, "conv": conv})
 
 
+class _EinsumRecorder(_Recorder):
+    kind = "einsum"
+
+    @_names_layer
+    def __call__(self, spec, lhs, rhs, *args, **kwargs):
+        plan = _einsum_plan(spec, rhs.ndim, None if "bias" not in self.params else self.params["bias"].ndim)
+        if plan is None:  # another contraction given at call time
+            self.registry.append({"recorder": None, "why": f"{self.layer} called with the contraction {spec!r}"})
+            return self.original(spec, lhs, rhs, *args, **kwargs)
+        rhs = _live(rhs, self.params["kernel"])
+        out = self.original(spec, lhs, rhs, *args, **kwargs)
+        return self._finish(out, {"inputs": lhs, "einsum": plan})
+
+
 class _RecordingEmbed(nnx.Embed):
     """nnx.Embed whose calls are recorded (set on the instrumented copy only)."""
 
@@ -210,58 +252,100 @@ def _normalised_ids(ids, vocab: int):
     return jnp.where(ids < 0, ids + vocab, ids)
 
 
-def _owners(model: nnx.Module) -> tuple[dict | None, str | None]:
-    """``(path -> supported layer, None)``, or ``(None, why)`` if some Param lives outside one or is tied."""
+def _trainable_paths(params) -> frozenset:
+    """The paths (tuples of keys) of the trainable parameters in their ``nnx.State``."""
+    return frozenset(_state_key(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0])
+
+
+def _state_key(key_path) -> tuple:
+    return tuple(k.key for k in key_path if isinstance(k, jax.tree_util.DictKey))
+
+
+def _owners(model: nnx.Module, trainable=None) -> tuple[tuple | None, str | None]:
+    """``((owned layers, per-layer modules, their attributes), None)``, or ``(None, why)``.
+
+    The owned layers (``_OWNED``) have their trainable parameters' norms formed from
+    ``(a, δ)``; the per-layer modules (any other module holding trainable parameters
+    directly) by vmap of the module's own backward pass. ``trainable`` is the set of
+    trainable parameter paths (all ``nnx.Param`` when None); frozen parameters are public
+    constants and are not looked at.
+    """
     modules = dict(nnx.iter_modules(model))
-    layers = {p: m for p, m in modules.items() if type(m) in _OWNED}
-    for path, m in layers.items():
-        # A masked kernel's gradient is masked; grouped convolutions are not factored here.
-        if type(m) is nnx.Conv and m.mask is not None:
-            return None, f"{_describe(m, path)} with a kernel mask"
-        if type(m) is nnx.Conv and m.feature_group_count != 1:
-            return None, f"{_describe(m, path)} with feature_group_count={m.feature_group_count}"
+    held: dict = {}
+    live = set()  # the trainable Variables (a tied one is listed once, under its first path)
     for path, value in nnx.iter_graph(model):
-        if isinstance(value, nnx.Param):
-            owner, attr = tuple(path[:-1]), path[-1]
-            if owner not in layers:
-                holder = modules.get(owner, model)
-                return None, f"{_describe(holder, owner)}, which holds the parameter '{attr}'"
-            if attr not in _OWNED[type(layers[owner])]:
-                return None, f"{_describe(layers[owner], owner)} with an extra parameter '{attr}'"
+        if isinstance(value, nnx.Param) and (trainable is None or tuple(path) in trainable):
+            held.setdefault(tuple(path[:-1]), []).append(path[-1])
+            live.add(id(value))
+    layers, per_layer = {}, {}
+    for owner, attrs in held.items():
+        m = modules.get(owner)
+        if m is None:
+            holder = modules.get(owner[:-1], model)
+            return None, f"{_describe(holder, owner[:-1])}, which holds the parameter '{owner[-1]}' in a container"
+        if type(m) is nnx.Einsum and _einsum_layer_plan(m) is not None and set(attrs) <= {"kernel", "bias"}:
+            layers[owner] = m
+        elif type(m) in _OWNED:
+            # A masked kernel's gradient is masked; grouped convolutions are not factored here.
+            if type(m) is nnx.Conv and m.mask is not None:
+                return None, f"{_describe(m, owner)} with a kernel mask"
+            if type(m) is nnx.Conv and m.feature_group_count != 1:
+                return None, f"{_describe(m, owner)} with feature_group_count={m.feature_group_count}"
+            if type(m) is nnx.LinearGeneral and (m.batch_axis or m.dot_general_cls is not None):
+                return None, f"{_describe(m, owner)} with batch axes or a dot_general_cls"
+            extra = [a for a in attrs if a not in _OWNED[type(m)]]
+            if extra:
+                return None, f"{_describe(m, owner)} with an extra parameter '{extra[0]}'"
+            layers[owner] = m
+        else:
+            if any(isinstance(v, nnx.RngState) for _, v in nnx.iter_graph(m)):
+                return None, f"{_describe(m, owner)}, which holds parameters and random state"
+            per_layer[owner] = m
     # iter_graph lists a shared Variable once: a parameter tied between layers has a
     # per-example gradient (a sum over both layers) whose norm is not factored here.
     seen: dict = {}
-    for path, m in layers.items():
-        for attr in _OWNED[type(m)]:
-            var = getattr(m, attr, None)
-            if isinstance(var, nnx.Param):
+    for path, m in modules.items():
+        for attr, var in vars(m).items():
+            if isinstance(var, nnx.Param) and id(var) in live:
                 if id(var) in seen:
                     return None, f"{seen[id(var)]} and {_describe(m, path)}, which share a parameter (tied weights)"
                 seen[id(var)] = _describe(m, path)
-    if not layers:
+    if not held:
         return None, f"{_describe(model, ())}, which has no parameters"
-    return layers, None
+    return (layers, per_layer, held), None
 
 
-def _instrumented(graphdef, rest, registry):
+def _instrumented(graphdef, rest, registry, owners):
     """Return ``build(params, probes)``: a fresh model copy with every supported layer instrumented."""
+    layers, per_layer, held = owners
 
     def build(p, probes):
         model = nnx.merge(graphdef, p, rest)
-        for path, m in nnx.iter_modules(model):
-            kind = type(m)
-            if kind not in _OWNED:
+        modules = dict(nnx.iter_modules(model))
+        # The per-layer modules' pure forms first, before any layer of theirs is instrumented.
+        pure = {}
+        for path in per_layer:
+            attrs = tuple(held[path])
+            pure[path] = nnx.split(modules[path], lambda q, v, attrs=attrs: len(q) == 1 and q[0] in attrs, ...)
+        for path, m in modules.items():
+            path = tuple(path)
+            if path not in layers and path not in per_layer:
                 continue
             real = {}
-            for attr in _OWNED[kind]:
-                var = getattr(m, attr, None)
-                if isinstance(var, nnx.Param):
-                    real[attr] = var.get_value()
-                    var.set_value(jax.lax.stop_gradient(real[attr]))
-            path = tuple(path)
+            for attr in held[path]:
+                var = getattr(m, attr)
+                real[attr] = var.get_value()
+                var.set_value(jax.lax.stop_gradient(real[attr]))
             layer = _describe(m, path)
-            if kind is nnx.Linear:
-                m.dot_general = _LinearRecorder(m.dot_general, registry, probes, real, path, layer)
+            kind = type(m)
+            if path in per_layer:
+                m.__class__ = _per_layer_class(kind)
+                m._jaxdp_recorder = _Recorder(pure[path], registry, probes, real, path, layer)
+            elif kind in (nnx.Linear, nnx.LinearGeneral, nnx.LoRALinear):
+                original = m.dot_general if m.dot_general is not None else jax.lax.dot_general  # LinearGeneral's default
+                m.dot_general = _LinearRecorder(original, registry, probes, real, path, layer)
+            elif kind is nnx.Einsum:
+                m.einsum_op = _EinsumRecorder(m.einsum_op, registry, probes, real, path, layer)
             elif kind is nnx.Conv:
                 m.conv_general_dilated = _ConvRecorder(m.conv_general_dilated, registry, probes, real, path, layer)
             elif kind is nnx.Embed:
@@ -275,6 +359,26 @@ def _instrumented(graphdef, rest, registry):
     return build
 
 
+@functools.cache
+def _per_layer_class(cls):
+    """``cls`` whose calls are recorded whole (set on the instrumented copy only)."""
+
+    @_names_layer
+    def __call__(self, *args, **kwargs):
+        rec = self._jaxdp_recorder
+        out = cls.__call__(self, *args, **kwargs)
+        if (not args or not all(isinstance(a, jax.Array) for a in args)
+                or any(isinstance(v, jax.Array) for v in kwargs.values()) or not isinstance(out, jax.Array)):
+            rec.registry.append({"recorder": None, "why": f"{rec.layer} called with other than array arguments "
+                                 "or returning other than one array"})
+            return out
+        gdef, theta, state = rec.original
+        return rec._finish(out, {"inputs": args[0], "args": tuple(args), "kwargs": kwargs, "gdef": gdef,
+                                 "theta": theta, "state": state}, live_bias=False)
+
+    return type(cls)(f"_Recording{cls.__name__}", (cls,), {"__call__": __call__, "__module__": cls.__module__})
+
+
 def _record_unsupported(rec, b: int) -> str | None:
     """Shape checks of one recorded call (trace time): why the fast path cannot take it, or None."""
     recorder = rec["recorder"]
@@ -285,6 +389,12 @@ def _record_unsupported(rec, b: int) -> str | None:
         return f"{recorder.layer} applied to an input without the batch on its leading axis"
     if "ids" in rec:
         return None
+    if "einsum" in rec:
+        return None
+    if "gdef" in rec:
+        if any(a.ndim < 1 or a.shape[0] != b for a in rec["args"]):
+            return f"{recorder.layer} applied to an input without the batch on its leading axis"
+        return None
     if "conv" in rec:
         c = rec["conv"]
         if not (c["groups"] == (1, 1) and c["dn"].lhs_spec[0] == 0 and c["dn"].out_spec[0] == 0):
@@ -293,9 +403,10 @@ def _record_unsupported(rec, b: int) -> str | None:
             return f"{recorder.layer} with input dilation"
         return None
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = rec["dims"]
-    if not (inputs.ndim >= 2 and tuple(lhs_contract) == (inputs.ndim - 1,) and tuple(rhs_contract) == (0,)
-            and not tuple(lhs_batch) and not tuple(rhs_batch) and rec["kernel_ndim"] == 2
-            and len(rec["shape"]) == inputs.ndim):
+    k = len(tuple(lhs_contract))  # the input's last k axes with the kernel's first k (LinearGeneral)
+    if not (1 <= k < inputs.ndim and tuple(lhs_contract) == tuple(range(inputs.ndim - k, inputs.ndim))
+            and tuple(rhs_contract) == tuple(range(k)) and not tuple(lhs_batch) and not tuple(rhs_batch)
+            and rec["kernel_ndim"] > k and len(rec["shape"]) == inputs.ndim - k + rec["kernel_ndim"] - k):
         return f"{recorder.layer} contracting other axes than the input's last with the kernel's first"
     return None
 
@@ -318,20 +429,21 @@ def _pulled_back(f):
     return g
 
 
-def _diagnose(loss_fn, model, x, y) -> tuple[list | None, str | None]:
-    """Trace once, forward and backward (shapes only): ``(probe shapes, None)`` if the fast path applies, else ``(None, why)``.
+def _diagnose(loss_fn, model, x, y, wrt=nnx.Param) -> tuple[list | None, str | None]:
+    """Trace once, forward and backward (shapes only): ``(probe shapes, why)`` if the fast path applies, else ``(None, why)``.
 
-    ``why`` names the layer the fast path cannot handle, with its type. It is None where
+    ``why`` names the layer the fast path cannot handle, with its type; with probe shapes it
+    names the layer types taken per layer without a formula (None if there are none). It is None where
     the general path raises anyway (``loss_fn`` not returning a ``(b,)`` vector). An error
     of ``loss_fn`` or the model itself (one that tracing without the instrumentation raises
     too) is raised, not taken for "unsupported".
     """
-    owners, why = _owners(model)
+    graphdef, params, rest = nnx.split(model, wrt, ...)
+    owners, why = _owners(model, _trainable_paths(params))
     if owners is None:
         return None, why
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     registry: list = []
-    build = _instrumented(graphdef, rest, registry)
+    build = _instrumented(graphdef, rest, registry, owners)
 
     def run(p, x, y):
         registry.clear()
@@ -361,34 +473,45 @@ def _diagnose(loss_fn, model, x, y) -> tuple[list | None, str | None]:
     calls: dict = {}
     for rec in registry:
         calls.setdefault(rec["recorder"].path, []).append(rec["recorder"])
-    for path, m in owners.items():
+    layers, per_layer, _ = owners
+    for path, m in {**layers, **per_layer}.items():
         n = len(calls.get(path, ()))
         if n != 1:
             how = "not applied by loss_fn through its usual call" if n == 0 else f"applied {n} times (shared)"
             return None, f"{_describe(m, path)}, {how}"
-    if len(registry) != len(owners):  # a recorder outside the owned layers: cannot happen
-        return None, f"{_describe(model, ())}, whose layers were called {len(registry)} times for {len(owners)} layers"
-    return [(tuple(r["shape"]), r["dtype"]) for r in registry], None
+    if len(registry) != len(layers) + len(per_layer):  # a recorder outside the owned layers: cannot happen
+        return None, f"{_describe(model, ())}, whose layers were called {len(registry)} times"
+    # Per-layer vmap for a module the fast path has no formula for: exact, named in one warning.
+    unknown = sorted({_layer_name(m) for m in per_layer.values() if type(m) not in _PER_LAYER})
+    why = None if not unknown else (
+        f"{', '.join(unknown)} (no per-example norm formula; those layers' per-example gradients are "
+        "materialised, each by vmap of the layer's own backward pass)")
+    return [(tuple(r["shape"]), r["dtype"]) for r in registry], why
 
 
-def _discover(loss_fn, model, x, y) -> list | None:
-    """The probe shapes if the fast path applies, else None (see :func:`_diagnose`)."""
-    return _diagnose(loss_fn, model, x, y)[0]
+def _discover(loss_fn, model, x, y, wrt=nnx.Param) -> list | None:
+    """The probe shapes if the fast path applies to every layer, else None (see :func:`_diagnose`)."""
+    calls, why = _diagnose(loss_fn, model, x, y, wrt)
+    return calls if why is None else None
 
 
 _WARNED: set = set()  # (model type, reason) pairs already warned about
 
 
-def _warn_fallback(model, why: str) -> None:
-    """Warn once per model type and reason that the fast path is off for this model."""
+def _warn_fallback(model, why: str, per_layer: bool = False) -> None:
+    """Warn once per model type and reason that the fast path is off for this model (or some of its layers)."""
     key = (type(model), why)
     if key in _WARNED:
         return
     _WARNED.add(key)
-    warnings.warn(
-        f"clipped_grad_sum on {type(model).__name__}: the fast path cannot handle {why}; using the general "
-        "vmap(grad) path (the same clipped sum, slower, more memory). Pass use_fast_path=False to choose it "
-        "without this warning.", UserWarning, stacklevel=_caller_stacklevel())
+    if per_layer:
+        message = (f"clipped_grad_sum on {type(model).__name__}: the fast path has no formula for {why}; the other "
+                   "layers take the fast path (the same clipped sum; those layers cost more memory).")
+    else:
+        message = (f"clipped_grad_sum on {type(model).__name__}: the fast path cannot handle {why}; using the general "
+                   "vmap(grad) path (the same clipped sum, slower, more memory). Pass use_fast_path=False to choose "
+                   "it without this warning.")
+    warnings.warn(message, UserWarning, stacklevel=_caller_stacklevel())
 
 
 # Frames of these packages (and of the standard wrappers they call through) lie between the
@@ -406,27 +529,54 @@ def _caller_stacklevel() -> int:
     return level if frame is not None else 1
 
 
-def _fast(loss_fn, model, x, y, clip_norm, calls, mask=None) -> tuple:
+def _per_layer_grads(rec, delta):
+    """Per-example gradients of one per-layer module's own parameters: vmap of its backward pass.
+
+    Example ``i``'s gradient is the vector-Jacobian product of the module's forward pass on
+    its recorded inputs (a batch of one) with its output gradients ``δ_i``: exact for a
+    module whose output row ``i`` depends on input row ``i`` only (the loss's assumption).
+    """
+    gdef, kwargs, state = rec["gdef"], rec["kwargs"], rec["state"]
+
+    def one(args_i, delta_i):
+        def f(theta):
+            return nnx.merge(gdef, theta, state)(*(a[None] for a in args_i), **kwargs)
+
+        out, pull = jax.vjp(f, rec["theta"])
+        return pull(delta_i[None].astype(out.dtype))[0]
+
+    return jax.vmap(one)(rec["args"], delta)
+
+
+def _fast(loss_fn, model, x, y, clip_norm, calls, mask=None, wrt=nnx.Param) -> tuple:
     """``(Σ_i c_i g_i, norms)`` on the fast path, for the probe shapes ``calls`` of :func:`_discover`."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, params, rest = nnx.split(model, wrt, ...)
+    owners, _ = _owners(model, _trainable_paths(params))
     probes = [jnp.zeros(shape, dtype) for shape, dtype in calls]
     registry: list = []
-    build = _instrumented(graphdef, rest, registry)
+    build = _instrumented(graphdef, rest, registry, owners)
+    arrays_of = ("inputs", "ids", "args", "theta", "state")
 
     def f(p, probes_):
         registry.clear()
         losses = loss_fn(build(p, probes_), x, y)
-        return losses, [{"inputs": rec["inputs"], "ids": rec.get("ids")} for rec in registry]
+        return losses, [{k: rec[k] for k in arrays_of if rec.get(k) is not None} for rec in registry]
 
     # The parameters' cotangents are never used: under jit they are not computed.
     losses, vjp_fn, arrays = jax.vjp(f, params, probes, has_aux=True)
     # The aux output carries the recorded arrays; the static facts come from the registry.
-    records = [{**reg, **{k: v for k, v in arr.items() if v is not None}}
-               for arr, reg in zip(arrays, registry, strict=True)]
+    records = [{**reg, **arr} for arr, reg in zip(arrays, registry, strict=True)]
     _, deltas = vjp_fn(jnp.ones_like(losses))  # row i of deltas[k] holds example i's δ's at layer k
+    # Norms and sums in float32 at least (bfloat16 layers: see accumulation_dtype); no-ops otherwise.
+    deltas = [_up(d) for d in deltas]
+    records = [{**rec, "inputs": _up(rec["inputs"])} if "inputs" in rec else rec for rec in records]
     sq, per_example = None, []
     for rec, delta in zip(records, deltas, strict=True):
-        term, pe = _layer_sq_norm(rec, delta)
+        if "gdef" in rec:
+            pe = jax.tree.map(_up, _per_layer_grads(rec, delta))
+            term = sum(jnp.sum(jnp.square(v).reshape(v.shape[0], -1), axis=1) for v in jax.tree.leaves(pe))
+        else:
+            term, pe = _layer_sq_norm(rec, delta)
         per_example.append(pe)
         sq = term if sq is None else sq + term.astype(sq.dtype)
     norms, factor = _safe_clip_factor(sq, clip_norm)
@@ -434,11 +584,15 @@ def _fast(loss_fn, model, x, y, clip_norm, calls, mask=None) -> tuple:
     factor = jax.lax.stop_gradient(_masked(factor, mask))
     sums = {}
     for rec, delta, pe in zip(records, deltas, per_example, strict=True):
-        for attr, value in _layer_grad_sum(rec, delta, factor, pe).items():
+        if "gdef" in rec:
+            flat = jax.tree_util.tree_flatten_with_path(pe)[0]
+            layer_sums = {_state_key(kp)[-1]: jnp.tensordot(factor.astype(v.dtype), v, axes=1) for kp, v in flat}
+        else:
+            layer_sums = _layer_grad_sum(rec, delta, factor, pe)
+        for attr, value in layer_sums.items():
             sums[rec["recorder"].path + (attr,)] = value
 
     def fill(key_path, leaf):
-        key = tuple(k.key for k in key_path if isinstance(k, jax.tree_util.DictKey))
-        return sums[key].astype(leaf.dtype)
+        return sums[_state_key(key_path)].astype(accumulation_dtype(leaf.dtype))
 
     return jax.tree_util.tree_map_with_path(fill, params), norms

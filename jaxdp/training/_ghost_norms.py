@@ -127,9 +127,10 @@ def _layer_factors(rec, delta: jax.Array) -> tuple[jax.Array, jax.Array]:
         g = jnp.transpose(delta, dn.out_spec)  # (b, e, *out)
         g = jnp.swapaxes(g.reshape(b, g.shape[1], -1), 1, 2)  # (b, T, e)
         a = _conv_patches(rec["inputs"], rec["conv"])  # (b, T, d)
-    else:
-        a = rec["inputs"].reshape(b, -1, rec["inputs"].shape[-1])
-        g = delta.reshape(b, -1, delta.shape[-1])
+    else:  # the input's last k axes contracted with the kernel's first k (k = 1 but for LinearGeneral)
+        inputs, k = rec["inputs"], len(rec["dims"][0][0])
+        a = inputs.reshape(b, -1, math.prod(inputs.shape[inputs.ndim - k:]))
+        g = delta.reshape(b, a.shape[1], -1)
     return a.astype(jnp.result_type(a.dtype, g.dtype)), g
 
 
@@ -223,6 +224,8 @@ def _layer_sq_norm(rec, delta: jax.Array) -> tuple[jax.Array, dict | None]:
     """
     if "ids" in rec:
         return _embed_sq_norm(rec["ids"], delta, rec["vocab"]), None
+    if "einsum" in rec:
+        return _einsum_sq_norm(rec, delta), None
     has_bias = "bias" in rec["recorder"].params
     if "conv" in rec and _materialises(*_conv_sizes(rec, delta)):
         b = delta.shape[0]
@@ -258,6 +261,8 @@ def _layer_grad_sum(rec, delta: jax.Array, weights: jax.Array, per_example: dict
     (``per_example``), it is their weighted sum over examples instead, which costs
     ``b·d·e`` operations rather than another ``b·T·d·e``.
     """
+    if "einsum" in rec:
+        return _einsum_grad_sum(rec, delta, weights)
     params = rec["recorder"].params
     hi = jax.lax.Precision.HIGHEST
     w = weights.astype(delta.dtype).reshape((-1,) + (1,) * (delta.ndim - 1))
@@ -293,3 +298,83 @@ def _layer_grad_sum(rec, delta: jax.Array, weights: jax.Array, per_example: dict
     if "bias" in params:
         out["bias"] = bias_sum.reshape(params["bias"].shape)
     return out
+
+
+def _einsum_plan(spec: str, kernel_ndim: int, bias_ndim: int | None):
+    """How an ``nnx.Einsum`` contraction factors into positions, groups, contracted and output axes.
+
+    For ``spec = "lhs,rhs->out"`` (letters only), with the batch the first letter of ``lhs``
+    and of ``out``: positions P (in lhs and out, not the kernel), contracted C (lhs and
+    kernel), outputs E (kernel and out), groups G (all three: a block per value, such as the
+    heads of a per-head projection). Returns ``(P, G, C, E, lhs, rhs, out)`` or None when the
+    contraction has another shape (a letter of one operand only, a repeated letter, the
+    batch elsewhere, a bias that is not the output's axes after the positions).
+    """
+    spec = spec.replace(" ", "")
+    if "..." in spec or "->" not in spec or spec.count(",") != 1:
+        return None
+    ins, out = spec.split("->")
+    lhs, rhs = ins.split(",")
+    if (len(rhs) != kernel_ndim or not lhs or not out or lhs[0] != out[0] or lhs[0] in rhs
+            or any(len(set(s)) != len(s) for s in (lhs, rhs, out))):
+        return None
+    letters = set(lhs) | set(rhs) | set(out)
+    if any(sum(c in s for s in (lhs, rhs, out)) < 2 for c in letters):
+        return None  # summed over inside one operand: not a sum of outer products
+    p = [c for c in lhs[1:] if c in out and c not in rhs]
+    g = [c for c in rhs if c in lhs and c in out]
+    cc = [c for c in rhs if c in lhs and c not in out]
+    e = [c for c in rhs if c in out and c not in lhs]
+    if bias_ndim is not None and (out[1:1 + len(p)] != "".join(p) or bias_ndim != len(out) - 1 - len(p)):
+        return None
+    return p, g, cc, e, lhs, rhs, out
+
+
+def _einsum_factors(rec, delta: jax.Array) -> tuple[jax.Array, jax.Array, tuple]:
+    """``(a (b·G, T, C), g (b·G, T, E), group shape)`` of one recorded ``nnx.Einsum``."""
+    p, g, cc, e, lhs, rhs, out = rec["einsum"]
+    x = rec["inputs"]
+    b = x.shape[0]
+    size = dict(zip(lhs, x.shape, strict=True)) | dict(zip(out, delta.shape, strict=True))
+    t = math.prod(size[c] for c in p)
+    gs = tuple(size[c] for c in g)
+    a = jnp.transpose(x, [lhs.index(c) for c in (lhs[0], *p, *g, *cc)])
+    d = jnp.transpose(delta, [out.index(c) for c in (out[0], *p, *g, *e)])
+    a = jnp.moveaxis(a.reshape(b, t, math.prod(gs), -1), 2, 1).reshape(b * math.prod(gs), t, -1)
+    d = jnp.moveaxis(d.reshape(b, t, math.prod(gs), -1), 2, 1).reshape(b * math.prod(gs), t, -1)
+    return a.astype(jnp.result_type(a.dtype, d.dtype)), d, gs
+
+
+def _einsum_sq_norm(rec, delta: jax.Array) -> jax.Array:
+    """Per-example squared norm of an ``nnx.Einsum``'s kernel (and bias) gradient: the ghost
+    norm of each group's block, summed over the groups."""
+    b = delta.shape[0]
+    a, g, _ = _einsum_factors(rec, delta)
+    sq = _sq_norm_and_grads(a, g)[0].reshape(b, -1).sum(axis=1)
+    if "bias" in rec["recorder"].params:
+        n_p = len(rec["einsum"][0])
+        gb = jnp.sum(delta.reshape(b, math.prod(delta.shape[1:1 + n_p]), -1), axis=1)
+        sq = sq + jnp.sum(jnp.square(gb), axis=1)
+    return sq
+
+
+def _einsum_grad_sum(rec, delta: jax.Array, weights: jax.Array) -> dict:
+    r""":math:`\sum_i w_i \partial\ell_i/\partial\theta` of an ``nnx.Einsum``: one contraction of
+    the inputs with the weighted output gradients, back in the kernel's axis order."""
+    p, g, cc, e, lhs, rhs, out = rec["einsum"]
+    params = rec["recorder"].params
+    b = delta.shape[0]
+    wd = weights.astype(delta.dtype).reshape((-1,) + (1,) * (delta.ndim - 1)) * delta
+    a, d, gs = _einsum_factors(rec, wd)
+    ng = math.prod(gs)
+    flat = jnp.einsum("ngtc,ngte->gce", a.reshape(b, ng, *a.shape[1:]), d.reshape(b, ng, *d.shape[1:]),
+                      precision=jax.lax.Precision.HIGHEST)
+    order = (*g, *cc, *e)
+    size = dict(zip(rhs, params["kernel"].shape, strict=True))
+    kernel = jnp.transpose(flat.reshape([size[c] for c in order]), [order.index(c) for c in rhs])
+    result = {"kernel": kernel}
+    if "bias" in params:
+        n_p = len(p)
+        result["bias"] = jnp.sum(wd.reshape(b * math.prod(wd.shape[1:1 + n_p]), -1), axis=0).reshape(
+            params["bias"].shape)
+    return result

@@ -125,7 +125,7 @@ def _is_key(x) -> bool:
 
 
 def parallel_clipped_grad_sum(loss_fn, model_or_params, batch, clip_norm, mesh: Mesh, *, mask=None,
-                              use_fast_path: bool | None = None) -> ClippedGrads:
+                              use_fast_path: bool | None = None, wrt=nnx.Param) -> ClippedGrads:
     r""":func:`~jaxdp.training.clipped_grad_sum` with the batch split over the ``"data"`` axis of ``mesh``.
 
     .. math::
@@ -149,6 +149,7 @@ def parallel_clipped_grad_sum(loss_fn, model_or_params, batch, clip_norm, mesh: 
       mesh: a mesh with a ``"data"`` axis (:func:`data_parallel_mesh`).
       mask: optional ``(b,)`` booleans or 0/1 weights; ``False`` rows are padding.
       use_fast_path: as for ``clipped_grad_sum``.
+      wrt: the trainable parameters' nnx filter, as for ``clipped_grad_sum``.
 
     Returns:
       :class:`~jaxdp.training.ClippedGrads`: ``grad_sum`` replicated over the mesh, ``norms``
@@ -184,7 +185,7 @@ def parallel_clipped_grad_sum(loss_fn, model_or_params, batch, clip_norm, mesh: 
         y = jnp.concatenate([y, jnp.broadcast_to(y[:1], (pad,) + y.shape[1:])])
         valid = jnp.concatenate([valid, jnp.zeros((pad,), valid.dtype)])
     if isinstance(model_or_params, nnx.Module):
-        graphdef, params, rest = nnx.split(model_or_params, nnx.Param, ...)
+        graphdef, params, rest = nnx.split(model_or_params, wrt, ...)
 
         def rebuild(p, r):
             return nnx.merge(graphdef, p, r)
@@ -195,7 +196,7 @@ def parallel_clipped_grad_sum(loss_fn, model_or_params, batch, clip_norm, mesh: 
             return p
 
     def local(p, r, c, xb, yb, mb):
-        cg = clipped_grad_sum(loss_fn, rebuild(p, r), (xb, yb), c, mask=mb, use_fast_path=use_fast_path)
+        cg = clipped_grad_sum(loss_fn, rebuild(p, r), (xb, yb), c, mask=mb, use_fast_path=use_fast_path, wrt=wrt)
         return jax.lax.psum(cg.grad_sum, AXIS), cg.norms
 
     # check_vma=False: with replication typing, autodiff inside the body would sum over devices

@@ -112,14 +112,15 @@ def clip_per_example_grads(per_example_grads: PyTree, clip_norm) -> tuple[PyTree
 # ----------------------------------------------------------------------------------------
 
 
-def _pure(loss_fn: LossFn, model_or_params) -> tuple[PyTree, Callable]:
+def _pure(loss_fn: LossFn, model_or_params, wrt=nnx.Param) -> tuple[PyTree, Callable]:
     """Return ``(params, f)`` with ``f(params, x, y)`` the per-example loss vector.
 
-    For an NNX module the parameters are its ``nnx.Param`` state; every other variable
-    (batch statistics, RNG state, ...) is held fixed.
+    For an NNX module the parameters are its trainable state (``wrt``, an nnx filter,
+    default every ``nnx.Param``); every other variable (frozen parameters, batch
+    statistics, RNG state, ...) is held fixed.
     """
     if isinstance(model_or_params, nnx.Module):
-        graphdef, params, rest = nnx.split(model_or_params, nnx.Param, ...)
+        graphdef, params, rest = nnx.split(model_or_params, wrt, ...)
 
         def f(p, x, y):
             return loss_fn(nnx.merge(graphdef, p, rest), x, y)
@@ -171,8 +172,8 @@ def per_example_grads(loss_fn: LossFn, model_or_params, batch) -> PyTree:
     return _per_example_grads_pytree(loss_fn, model_or_params, x, y)
 
 
-def _per_example_grads(loss_fn, model_or_params, x, y):
-    params, f = _pure(loss_fn, model_or_params)
+def _per_example_grads(loss_fn, model_or_params, x, y, wrt=nnx.Param):
+    params, f = _pure(loss_fn, model_or_params, wrt)
 
     def one(p, xi, yi):
         return f(p, xi[None], yi[None])[0]
@@ -190,20 +191,39 @@ def _per_example_grads_pytree(loss_fn, params, x, y):
     return _per_example_grads(loss_fn, params, x, y)
 
 
+def accumulation_dtype(dtype):
+    """The dtype per-example norms and clipped sums are formed in: the parameters' own, float32 at least.
+
+    A clipping factor or a sum rounded to bfloat16 (8 bits) could exceed the clip norm by
+    0.4%: the sensitivity would no longer be C. float32 and float64 are kept (bit-identical
+    to the parameters' dtype).
+    """
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
+        return jnp.dtype(jnp.float32)
+    return dtype
+
+
+def _up(a: jax.Array) -> jax.Array:
+    """``a`` in :func:`accumulation_dtype` (no-op at float32 and above)."""
+    return a.astype(accumulation_dtype(a.dtype))
+
+
 def _masked(factor: jax.Array, mask) -> jax.Array:
     return factor if mask is None else factor * jnp.asarray(mask).astype(factor.dtype)
 
 
-def _vmap_clipped(loss_fn, model_or_params, x, y, clip_norm, mask=None) -> tuple[PyTree, jax.Array]:
+def _vmap_clipped(loss_fn, model_or_params, x, y, clip_norm, mask=None, wrt=nnx.Param) -> tuple[PyTree, jax.Array]:
     """``(Σ_i c_i g_i, norms)`` by ``vmap(grad)``: the general path of ``clipped_grad_sum``."""
     if isinstance(model_or_params, nnx.Module) and any(isinstance(m, nnx.Conv)
                                                        for _, m in nnx.iter_modules(model_or_params)):
-        graphdef, params, rest = nnx.split(model_or_params, nnx.Param, ...)
+        graphdef, params, rest = nnx.split(model_or_params, wrt, ...)
         # Canonical convolutions: fast inside loops too (see _canonical_conv).
         grads = _canonical_convs(lambda p, r, x, y: _per_example_grads_module(loss_fn, graphdef, p, r, x, y))(
             params, rest, x, y)
     else:
-        grads = _per_example_grads(loss_fn, model_or_params, x, y)
+        grads = _per_example_grads(loss_fn, model_or_params, x, y, wrt)
+    grads = jax.tree.map(_up, grads)  # norms and sum in float32 at least (no-op at float32 and above)
     sq = _per_example_sq_norms(grads)
     norms, factor = _safe_clip_factor(sq, clip_norm)
     factor = _masked(factor, mask)

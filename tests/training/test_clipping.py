@@ -247,7 +247,20 @@ class _Tied(nnx.Module):
         return self.b(jnp.tanh(self.a(x)))
 
 
-@pytest.mark.parametrize("cls,d", [(_Shared, 3), (_WithNorm, 3), (_Tied, 3)])
+def test_layer_norm_takes_the_fast_path_per_layer(x64):
+    """A LayerNorm's parameters (issue 25): per-example gradients per layer, exact, no fallback."""
+    model = _WithNorm(nnx.Rngs(0))
+    nnx.update(model, jax.tree.map(lambda p: p.astype(jnp.float64), nnx.state(model, nnx.Param)))
+    x, y = _data(6, 5, 3, 3, jnp.float64)
+    assert fast_path_supported(softmax_cross_entropy_loss, model, (x, y))
+    out = clipped_grad_sum(softmax_cross_entropy_loss, model, (x, y), 0.1, use_fast_path=True)
+    ref_sum, ref_norms = _reference_clipped_sum(_loop_grads(softmax_cross_entropy_loss, model, x, y), 0.1)
+    np.testing.assert_allclose(out.norms, ref_norms, rtol=PATH_TOL)
+    for got, want in zip(jax.tree.leaves(out.grad_sum), ref_sum, strict=True):
+        np.testing.assert_allclose(got, want, rtol=PATH_TOL, atol=1e-12)
+
+
+@pytest.mark.parametrize("cls,d", [(_Shared, 3), (_Tied, 3)])
 def test_fallback_for_unsupported_models(cls, d, x64):
     model = cls(nnx.Rngs(0))
     params = nnx.state(model, nnx.Param)

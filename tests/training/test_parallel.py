@@ -237,6 +237,31 @@ def _child_sampling_unchanged():
     print("sampling unchanged by the padding")
 
 
+def _child_micro_batches():
+    """Micro-batches (issue 25) split over the devices: m = 3 rounded up to 8, several of them,
+    the noise once: the same update as one device without micro-batches, same keys."""
+    import optax
+
+    from jaxdp.training import dpsgd, dpsgd_step, replicate
+
+    mesh = data_parallel_mesh(DEVICES)
+    model = SoftmaxRegression(6, 3, rngs=nnx.Rngs(0))
+    model.linear.kernel[...] = np.asarray(jax.random.normal(jax.random.key(5), model.linear.kernel.shape))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    x, y = (jnp.asarray(a) for a in _data())
+    tx = dpsgd(optax.sgd(1.0), 1.3, 0.5, 4.0, jax.random.key(0))
+    one = jax.jit(lambda p, s, k: dpsgd_step(_loss, graphdef, rest, tx, p, s, k, x, y, 0.3, 0.5, x.shape[0]))
+    many = jax.jit(lambda p, s, k, xx, yy: dpsgd_step(_loss, graphdef, rest, tx, p, s, k, xx, yy, 0.3, 0.5, 12,
+                                                      mesh=mesh, micro_batch_size=3))
+    rep = replicate((params, tx.init(params), x, y), mesh)
+    k = jax.random.key(7)
+    p1, _, o1 = one(params, tx.init(params), k)
+    p8, _, o8 = many(*rep[:2], k, *rep[2:])
+    assert int(o8.batch_size) == int(o1.batch_size) and int(o8.chunks) == -(-int(o8.batch_size) // 8) > 1
+    _assert_trees_close(p8, p1)
+    print("micro-batches over 8 devices == one batch on one device")
+
+
 def _child():
     assert jax.device_count() == DEVICES, jax.devices()
     for use_fast_path in (None, False):
@@ -245,6 +270,7 @@ def _child():
     _child_noise_once()
     _child_sampling_unchanged()
     _child_train_equal()
+    _child_micro_batches()
     print("ALL OK")
 
 

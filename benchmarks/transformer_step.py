@@ -1,0 +1,316 @@
+"""Benchmark: a DP-SGD step of a BERT-small-like encoder against the non-private step (time, memory).
+
+The model (Flax NNX): token and position ``nnx.Embed``, ``--layers`` pre-norm blocks of
+``nnx.LayerNorm`` → ``nnx.MultiHeadAttention`` (``--heads``) → ``nnx.LayerNorm`` → MLP
+(``nnx.Linear`` width → 4·width → width, GELU), a final ``nnx.LayerNorm`` and a linear head
+on the mean over the sequence; softmax cross-entropy, float32, synthetic token ids.
+Every layer is on jaxdp's fast path (checked: the script refuses to run otherwise).
+
+Contenders, all in this process, each one jitted step, timed after compilation (median
+of ``--repeats`` blocks of ``--inner`` steps, wall clock):
+
+* ``non-private``: gradient of the mean loss over the batch (a ``lax.scan`` over
+  micro-batches summing gradients when the batch exceeds ``--micro``) and an SGD update;
+* ``jaxdp DP-SGD``: :func:`jaxdp.training.dpsgd_step` on ``batch`` records with q = 1
+  (every record sampled: the batch has exactly ``batch`` rows), micro-batches of
+  ``--micro`` rows (``micro_batch_size``; none when batch = micro), the clipped sum on the
+  fast path (ghost norms for the dense layers and attention projections, per-layer for the
+  LayerNorms), Gaussian noise once, SGD;
+* ``jaxdp vmap``: the same with ``use_fast_path=False`` (per-example gradients of the
+  whole model, ``vmap(grad)``), at the first batch size only (``--no-vmap`` to skip);
+* ``opacus ghost`` (only if torch and opacus are importable, in this interpreter or in
+  ``--torch-python``, run as a child process): Opacus fast gradient clipping
+  (``grad_sample_mode="ghost"``) on the equivalent ``torch.nn`` model (explicit attention
+  of ``nn.Linear`` projections), the same batch; accumulation by Opacus' own
+  ``BatchMemoryManager``-style loop of micro-batches (backward per micro-batch, one step).
+
+Memory: XLA's planned peak of the compiled step (``memory_analysis()``: temporaries +
+arguments + outputs), and, on a GPU, the device's ``peak_bytes_in_use`` after the
+contender ran (cumulative over the run, so the order matters; the planned figure does not).
+
+    python benchmarks/transformer_step.py              # CPU sizes (2 layers, width 128, seq 64)
+    python benchmarks/transformer_step.py --full       # BERT-small sizes on CPU (slow)
+    python benchmarks/transformer_step.py --gpu        # BERT-small sizes, batch 32 and 1024 (accumulated)
+    python benchmarks/transformer_step.py --smoke      # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+SIZES = {  # layers, width, heads, seq, vocab, batches, micro
+    "smoke": (1, 32, 2, 16, 512, (8, 32), 8),
+    "cpu": (2, 128, 4, 64, 8192, (32, 256), 32),
+    "full": (4, 256, 4, 128, 30522, (32, 256), 32),
+    "gpu": (4, 256, 4, 128, 30522, (32, 1024), 32),
+}
+
+
+def build(layers, width, heads, seq, vocab):
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.ln1 = nnx.LayerNorm(width, rngs=rngs)
+            self.attn = nnx.MultiHeadAttention(heads, width, decode=False, rngs=rngs)
+            self.ln2 = nnx.LayerNorm(width, rngs=rngs)
+            self.up = nnx.Linear(width, 4 * width, rngs=rngs)
+            self.down = nnx.Linear(4 * width, width, rngs=rngs)
+
+        def __call__(self, x):
+            x = x + self.attn(self.ln1(x))
+            return x + self.down(jax.nn.gelu(self.up(self.ln2(x))))
+
+    class Encoder(nnx.Module):
+        def __init__(self, rngs):
+            self.tok = nnx.Embed(vocab, width, rngs=rngs)
+            self.pos = nnx.Embed(seq, width, rngs=rngs)
+            self.blocks = nnx.List([Block(rngs) for _ in range(layers)])
+            self.norm = nnx.LayerNorm(width, rngs=rngs)
+            self.head = nnx.Linear(width, 2, rngs=rngs)
+
+        def __call__(self, ids):
+            h = self.tok(ids) + self.pos(jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape))
+            for block in self.blocks:
+                h = block(h)
+            return self.head(self.norm(h).mean(axis=1))
+
+    return Encoder(nnx.Rngs(0))
+
+
+def _time(fn, args, repeats, inner):
+    import jax
+
+    out = fn(*args)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(inner):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t) / inner)
+    return statistics.median(times)
+
+
+def _planned_mb(jitted, args):
+    m = jitted.lower(*args).compile().memory_analysis()
+    if m is None:
+        return float("nan")
+    return (m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes) / 2**20
+
+
+def _device_peak_mb():
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use", float("nan")) / 2**20
+
+
+def bench_jax(size, batches, micro, repeats, inner, vmap):
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from jaxdp.models import softmax_cross_entropy_loss as loss
+    from jaxdp.training import dpsgd, dpsgd_step, fast_path_supported
+
+    layers, width, heads, seq, vocab = size
+    model = build(layers, width, heads, seq, vocab)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    n_params = sum(p.size for p in jax.tree.leaves(params))
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(0, vocab, (max(batches), seq)), jnp.int32)
+    labels = jnp.asarray(rng.integers(0, 2, max(batches)), jnp.int32)
+    if not fast_path_supported(loss, model, (ids[:2], labels[:2])):
+        raise SystemExit("the encoder is not on the fast path: the benchmark would not measure it")
+    rows = []
+    for b in batches:
+        x, y = ids[:b], labels[:b]
+        m = min(micro, b)
+        k = b // m
+
+        def nonprivate(p, x=x, y=y, m=m, k=k):
+            def grad(xb, yb):
+                return jax.grad(lambda p: loss(nnx.merge(graphdef, p, rest), xb, yb).sum())(p)
+
+            if k == 1:
+                g = grad(x, y)
+            else:
+                xs, ys = x.reshape(k, m, *x.shape[1:]), y.reshape(k, m)
+                zero = jax.tree.map(jnp.zeros_like, p)
+                g = jax.lax.scan(lambda acc, xy: (jax.tree.map(jnp.add, acc, grad(*xy)), None), zero, (xs, ys))[0]
+            return jax.tree.map(lambda p, g: p - 0.1 * g / b, p, g)
+
+        tx = dpsgd(optax.sgd(0.1), 1.0, 1.0, float(b), jax.random.key(1))
+        opt = tx.init(params)
+
+        def private(p, s, key, x=x, y=y, m=m, b=b, fast=None):
+            return dpsgd_step(loss, graphdef, rest, tx, p, s, key, x, y, 1.0, 1.0, b, use_fast_path=fast,
+                              micro_batch_size=None if m == b else m)[:2]
+
+        contenders = [("non-private", jax.jit(nonprivate), (params,)),
+                      ("jaxdp DP-SGD", jax.jit(private), (params, opt, jax.random.key(2)))]
+        if vmap and b == batches[0]:
+            contenders.append(("jaxdp vmap", jax.jit(lambda p, s, k: private(p, s, k, fast=False)),
+                               (params, opt, jax.random.key(2))))
+        for label, fn, args in contenders:
+            planned = _planned_mb(fn, args)
+            t = _time(fn, args, repeats, inner)
+            rows.append({"batch": b, "micro": m, "contender": label, "ms": 1e3 * t, "planned_mb": planned,
+                         "device_peak_mb": _device_peak_mb()})
+            print(f"  {label:14s} batch {b:5d} (micro {m:3d}): {1e3 * t:9.1f} ms, planned {planned:8.1f} MB",
+                  flush=True)
+    return rows, n_params
+
+
+TORCH_SCRIPT = r'''
+import json, sys, time, statistics, warnings
+import numpy as np, torch
+from torch import nn
+from opacus import PrivacyEngine
+layers, width, heads, seq, vocab, batches, micro, repeats, inner = json.loads(sys.argv[1])
+torch.manual_seed(0)
+
+class Attention(nn.Module):
+    def __init__(s):
+        super().__init__()
+        s.q, s.k, s.v, s.o = (nn.Linear(width, width) for _ in range(4))
+    def forward(s, x):
+        b, t, _ = x.shape
+        sp = lambda z: z.view(b, t, heads, width // heads).transpose(1, 2)
+        a = torch.softmax(sp(s.q(x)) @ sp(s.k(x)).transpose(-1, -2) / (width // heads) ** 0.5, -1)
+        return s.o((a @ sp(s.v(x))).transpose(1, 2).reshape(b, t, width))
+
+class Block(nn.Module):
+    def __init__(s):
+        super().__init__()
+        s.ln1, s.attn, s.ln2 = nn.LayerNorm(width), Attention(), nn.LayerNorm(width)
+        s.up, s.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+    def forward(s, x):
+        x = x + s.attn(s.ln1(x))
+        return x + s.down(nn.functional.gelu(s.up(s.ln2(x))))
+
+class Encoder(nn.Module):
+    def __init__(s):
+        super().__init__()
+        s.tok, s.pos = nn.Embedding(vocab, width), nn.Embedding(seq, width)
+        s.blocks = nn.Sequential(*[Block() for _ in range(layers)])
+        s.norm, s.head = nn.LayerNorm(width), nn.Linear(width, 2)
+    def forward(s, ids):
+        h = s.tok(ids) + s.pos(torch.arange(ids.shape[1]).expand_as(ids).contiguous())
+        return s.head(s.norm(s.blocks(h)).mean(1))
+
+rng = np.random.default_rng(0)
+ids = torch.from_numpy(rng.integers(0, vocab, (max(batches), seq)))
+y = torch.from_numpy(rng.integers(0, 2, max(batches)))
+rows = []
+for b in batches:
+    m = min(micro, b)
+    model = Encoder()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dl = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids[:m], y[:m]), batch_size=m)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm, popt, crit, _ = PrivacyEngine().make_private(module=model, optimizer=opt, criterion=nn.CrossEntropyLoss(),
+            data_loader=dl, noise_multiplier=1.0, max_grad_norm=1.0, grad_sample_mode="ghost", poisson_sampling=False)
+    def step():
+        popt.zero_grad()
+        for i in range(0, b, m):
+            crit(pm(ids[i:i + m]), y[i:i + m]).backward()
+            if i + m < b:
+                popt.signal_skip_step(do_skip=True)
+                popt.step()
+        popt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step()
+        ts = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            for _ in range(inner):
+                step()
+            ts.append((time.perf_counter() - t) / inner)
+    rows.append({"batch": b, "micro": m, "contender": "opacus ghost", "ms": 1e3 * statistics.median(ts),
+                 "planned_mb": float("nan"), "device_peak_mb": float("nan")})
+print(json.dumps(rows))
+'''
+
+
+def bench_opacus(size, batches, micro, repeats, inner, python):
+    cmd = [python, "-c", TORCH_SCRIPT, json.dumps([*size, list(batches), micro, repeats, inner])]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        print(f"  opacus: not run ({type(err).__name__})")
+        return []
+    if proc.returncode != 0:
+        print(f"  opacus: not run ({(proc.stderr.strip().splitlines() or ['?'])[-1][:200]})")
+        return []
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _torch_python(given):
+    if given:
+        return given
+    probe = subprocess.run([sys.executable, "-c", "import torch, opacus"], capture_output=True, check=False)
+    return sys.executable if probe.returncode == 0 else None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    group = ap.add_mutually_exclusive_group()
+    for name in ("smoke", "full", "gpu"):
+        group.add_argument(f"--{name}", action="store_true", help=f"the {name} size set")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--inner", type=int, default=2)
+    ap.add_argument("--no-vmap", action="store_true", help="skip the vmap(grad) contender")
+    ap.add_argument("--torch-python", default=None, help="a Python with torch and opacus (default: this one, if it has them)")
+    args = ap.parse_args(argv)
+    which = next((n for n in ("smoke", "full", "gpu") if getattr(args, n)), "cpu")
+    layers, width, heads, seq, vocab, batches, micro = SIZES[which]
+    repeats, inner = (2, 1) if args.smoke else (args.repeats, args.inner)
+
+    import jax
+
+    from benchmarks.dpsgd_step import _cpu_model
+
+    dev = jax.devices()[0]
+    print(f"size set '{which}': {layers} layers, width {width}, {heads} heads, sequence {seq}, vocabulary {vocab}; "
+          f"batches {batches} in micro-batches of {micro}")
+    print(f"machine: {_cpu_model()}, {os.cpu_count()} CPU cores, device {dev.device_kind} ({jax.default_backend()}), "
+          f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}; jax {jax.__version__}", flush=True)
+    size = (layers, width, heads, seq, vocab)
+    rows, n_params = bench_jax(size, batches, micro, repeats, inner, not args.no_vmap)
+    python = _torch_python(args.torch_python)
+    if python is not None and jax.default_backend() == "cpu":
+        rows += bench_opacus(size, batches, micro, repeats, inner, python)
+    elif python is None:
+        print("  opacus: torch/opacus not importable: skipped")
+    base = {r["batch"]: r for r in rows if r["contender"] == "non-private"}
+    print(f"\n{n_params / 1e6:.2f} M parameters. Ratios against the non-private step of the same batch and micro-batch.")
+    print(f"{'batch':>6} {'micro':>6} {'contender':<14} {'ms/step':>9} {'x time':>7} {'planned MB':>11} {'x mem':>6}"
+          f" {'device peak MB':>15}")
+    for r in rows:
+        nb = base[r["batch"]]
+        print(f"{r['batch']:>6} {r['micro']:>6} {r['contender']:<14} {r['ms']:>9.1f} {r['ms'] / nb['ms']:>7.2f} "
+              f"{r['planned_mb']:>11.1f} {r['planned_mb'] / nb['planned_mb']:>6.2f} {r['device_peak_mb']:>15.1f}")
+    print(f"load average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
