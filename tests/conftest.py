@@ -30,6 +30,16 @@ os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 # Tests run only with JAXDP_SLOW=1 because a faster test covers what they check (the
 # reason follows each). Listed here, by node id prefix, to keep CI's run under 10 minutes.
 SLOW_IN_CI = {
+    # Session 10: covered by the transformation matrix (the sampling accountants' rows) or by a
+    # sibling case of the same test; JAXDP_SLOW=1 runs them.
+    "tests/accounting/test_sampling.py::test_jit_vmap_grad_in_both_x64_modes[trunc-False]",
+    "tests/accounting/test_sampling.py::test_jit_vmap_grad_in_both_x64_modes[trunc-True]",
+    "tests/accounting/test_sampling.py::test_jit_vmap_grad_in_both_x64_modes[wor-False]",
+    "tests/accounting/test_pnsgd_record.py::test_random_stop_with_batches_is_the_theorems_with_batches_as_steps[8-3]",
+    "tests/accounting/test_pnsgd_record.py::test_random_stop_with_batches_is_the_theorems_with_batches_as_steps[8-4]",
+    "tests/accounting/test_tradeoff.py::test_pld_curve_against_dp_accounting[0.5-1.0-4]",
+    # The same compiled program as its dpsgd_epsilon case (the event path compiles one program).
+    "tests/accounting/test_second_derivatives.py::test_second_derivative_matches_central_differences_x64_on[epsilon(event)]",
     # x64-off vmap(jit)/grad(jit) of accountants built from others in the matrix (pnsgd_privacy,
     # per_instance_sampled_gaussian_rdp, calibrate_noise_multiplier) and the 10-form test.
     "tests/accounting/test_transformations.py::test_vmap_jit_and_grad_jit_with_x64_off[per_instance_dpsgd_privacy]",
