@@ -32,7 +32,7 @@ from .. import _validate
 from .._numerics import f64, float64
 from .._validate import check_integer, check_learning_rate, check_positions, is_int, learning_rate_valid, nan_unless
 from ._contraction_common import _SAFETY_REL as _SAFETY_REL  # re-exported: _pnsgd imports it from here
-from ._contraction_common import _check_delta_target, _eps_bracket, _run_valid, _solve_eps
+from ._contraction_common import _check_delta_target, _check_pnsgd_constants, _eps_bracket, _run_valid, _solve_eps
 from ._contraction_common import _safe_target as _safe_target  # re-exported: _pnsgd imports it from here
 from ._contraction_stop import stop_pnsgd_contraction_delta as stop_pnsgd_contraction_delta  # Theorem 5
 from ._contraction_stop import stop_pnsgd_contraction_epsilon as stop_pnsgd_contraction_epsilon  # Theorem 5
@@ -105,11 +105,7 @@ def step_contraction(learning_rate, smoothness, strong_convexity=0.0) -> jax.Arr
 
 def _check_pnsgd(positions, num_records, lipschitz, noise_std, learning_rate, diameter, contraction, batch_size, passes) -> None:
     check_positions(positions, num_records)
-    _validate.check_in_range("lipschitz", lipschitz, 0.0, math.inf)
-    _validate.check_in_range("noise_std", noise_std, 0.0, math.inf, lo_open=True)
-    _validate.check_in_range("learning_rate", learning_rate, 0.0, math.inf, lo_open=True)
-    _validate.check_in_range("diameter", diameter, 0.0, math.inf, lo_open=True)
-    _validate.check_in_range("contraction", contraction, 0.0, 1.0)
+    _check_pnsgd_constants(lipschitz, noise_std, learning_rate, diameter, contraction)
     check_integer("batch_size", batch_size)
     _validate.check_not_above("batch_size", batch_size, "num_records", num_records)
     check_integer("passes", passes)

@@ -9,6 +9,8 @@ against the target lowered by a relative 1e-12.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -80,3 +82,12 @@ def _solve_eps(log_delta_fn, params, log_target: jax.Array, eps_hi: jax.Array, s
 
 def _check_delta_target(delta) -> None:
     _validate.check_delta(delta)
+
+
+def _check_pnsgd_constants(lipschitz, noise_std, learning_rate, diameter, contraction) -> None:
+    """The run's constants, checked eagerly (Theorems 4 and 5 take the same ones)."""
+    _validate.check_in_range("lipschitz", lipschitz, 0.0, math.inf)
+    _validate.check_in_range("noise_std", noise_std, 0.0, math.inf, lo_open=True)
+    _validate.check_in_range("learning_rate", learning_rate, 0.0, math.inf, lo_open=True)
+    _validate.check_in_range("diameter", diameter, 0.0, math.inf, lo_open=True)
+    _validate.check_in_range("contraction", contraction, 0.0, 1.0)

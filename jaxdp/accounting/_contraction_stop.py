@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from .. import _validate
 from .._numerics import f64, float64
 from .._validate import check_integer, check_positions, is_int, nan_unless
-from ._contraction_common import _check_delta_target, _eps_bracket, _run_valid, _solve_eps
+from ._contraction_common import _check_pnsgd_constants, _check_delta_target, _eps_bracket, _run_valid, _solve_eps
 from ._hockey_stick import _log_theta_and_complement
 
 __all__ = ["stop_pnsgd_contraction_delta", "stop_pnsgd_contraction_epsilon"]
@@ -146,11 +146,7 @@ def _check_stop(num_records, lipschitz, noise_std, learning_rate, diameter, cont
     check_integer("num_records", num_records)
     if positions is not None:
         check_positions(positions, num_records)
-    _validate.check_in_range("lipschitz", lipschitz, 0.0, math.inf)
-    _validate.check_in_range("noise_std", noise_std, 0.0, math.inf, lo_open=True)
-    _validate.check_in_range("learning_rate", learning_rate, 0.0, math.inf, lo_open=True)
-    _validate.check_in_range("diameter", diameter, 0.0, math.inf, lo_open=True)
-    _validate.check_in_range("contraction", contraction, 0.0, 1.0)
+    _check_pnsgd_constants(lipschitz, noise_std, learning_rate, diameter, contraction)
 
 
 @float64
