@@ -94,6 +94,9 @@ from ._rdp import gaussian_rdp as gaussian_rdp
 from ._rdp import heterogeneous_rdp as heterogeneous_rdp
 from ._rdp import laplace_rdp as laplace_rdp
 from ._rdp import sampled_gaussian_rdp as sampled_gaussian_rdp
+from ._allocation import RandomAllocation as RandomAllocation
+from ._allocation import balls_in_bins_event as balls_in_bins_event
+from ._allocation import random_allocation_rdp as random_allocation_rdp
 from ._sampling import SampledWithoutReplacement as SampledWithoutReplacement
 from ._sampling import SampledWithReplacement as SampledWithReplacement
 from ._sampling import TruncatedPoissonSampled as TruncatedPoissonSampled
@@ -119,6 +122,7 @@ __all__ = [
     "SampledWithoutReplacement",
     "SampledWithReplacement",
     "TruncatedPoissonSampled",
+    "RandomAllocation",
     "SelfComposed",
     "Composed",
     "PNSGD",
@@ -126,6 +130,7 @@ __all__ = [
     "RELATIONS",
     "dpsgd_event",
     "shuffled_event",
+    "balls_in_bins_event",
     "relation_of",
     # Accountants of events: ε, δ and the RDP curve, by accountant="rdp" (default) or "pld".
     "epsilon",
@@ -156,6 +161,7 @@ __all__ = [
     "sampled_without_replacement_rdp",
     "sampled_with_replacement_rdp",
     "truncated_poisson_rdp",
+    "random_allocation_rdp",
     "heterogeneous_rdp",
     "rdp_to_epsilon",
     "rdp_to_delta",

@@ -1,0 +1,410 @@
+r"""Random allocation (balls-in-bins batching): the event and its certified RDP curve.
+
+Each epoch has t = ``steps_per_pass`` steps; every record takes part in exactly one of
+them, chosen uniformly at random and independently across records (k = 1 of t:
+balls-in-bins). Each step is a Gaussian mechanism on the sum of the clipped gradients of
+its batch (noise multiplier σ over the add/remove-one sensitivity, the clipping norm C).
+Neighbouring relation: **add/remove one record**; both directions are bounded.
+
+With the record's contribution e_i in the step it was allocated to, the pair of output
+distributions that dominates one epoch (Feldman & Shenfeld, arXiv 2502.08202: the
+Gaussian case of their analysis; see docs/batch_schemes.md) is
+
+.. math:: P = \frac1t \sum_{i=1}^t N(e_i, σ^2 I_t), \qquad Q = N(0, σ^2 I_t),
+
+P with the record, Q without. The curve reported at order α is
+max(D_α(P‖Q), D_α(Q‖P)) per epoch, composed over epochs by :class:`SelfComposed`.
+
+* **Remove direction** D_α(P‖Q), exact at integer α (:func:`_remove_log_moment`):
+  :math:`E_Q[(P/Q)^α] = t^{-α} e^{-α/(2σ^2)} \sum_{a ⊢_t α} \binom{α}{a} \prod_i e^{a_i^2/(2σ^2)}`
+  over compositions a of α into t parts, grouped by integer partition (their number of
+  parts ℓ and Σa_i² = q); at a fractional order the next integer (D_α is non-decreasing
+  in α); above order :data:`REMOVE_EXACT_MAX`, the Gaussian α/(2σ²) (joint convexity).
+* **Add direction** D_α(Q‖P) = log E[S^{-β}]/β, β = α − 1, S = (1/t)Σ_i Y_i, Y_i =
+  exp((2x_i − 1)/(2σ²)) with x_i ~ N(0, σ²) iid; the smaller of two certified bounds:
+
+  - AM–GM: S ≥ exp((2x̄ − 1)/(2σ²)) gives (α + t − 1)/(2tσ²);
+  - the Laplace-transform quadrature :func:`_add_log_moment`:
+    :math:`E[S^{-β}] = Γ(β)^{-1}\int_0^∞ u^{β-1} φ(u/t)^t\,du`, φ(s) = E e^{-sY}, with
+    φ bounded above on a z-grid (its first-order term exact), log(e^u φ(u/t)^t) convex
+    in u (a log-MGF) and so bounded by chords between nodes, and the u-integral of each
+    chord bounded in closed form; rounding margins added. Every step is an upper bound.
+
+The derivation, the decisions where the papers are incomplete and the checks are in
+docs/batch_schemes.md ("Random allocation").
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import defaultdict
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.scipy.special import gammaln, ndtr
+
+from .. import _validate
+from .._numerics import f64, float64
+from ._events import Event, Gaussian, SelfComposed, _event, _is_structural, register_event_type, relation_of
+
+__all__ = ["RandomAllocation", "balls_in_bins_event", "random_allocation_rdp", "REMOVE_EXACT_MAX"]
+
+#: Largest integer order at which the remove direction is computed exactly (the partition
+#: tables of orders 2..40 hold 41,900 (parts, Σa²) groups; built once, about 1 s).
+REMOVE_EXACT_MAX = 40
+
+# Quadrature of the add direction (see _add_log_moment): z-cells for φ, coarse u-nodes for
+# the chords of log(e^u φ^t), sub-cells per chord for the closed-form integral, u range.
+_NZ = 4096
+_NC = 384
+_NF = 4
+_LOG_U0 = math.log(1e-10)
+_LOG_U1 = math.log(1e6)
+_Z_LO = -12.0  # Φ(-12) < 2e-33: the left tail is charged in full
+_Z_HI = 12.0  # plus 1/σ (the first-moment tail Φ̄(z_N − 1/σ) < 2e-33)
+# Rounding margins: relative on a sum of _NZ positive terms, absolute on values near 1.
+_SUM_REL = 2e-12
+_ABS = 1e-15
+# log M margin for the float64 partition tables (relative error ~1e-15 per entry).
+_TABLE_MARGIN = 1e-12
+# Configurations evaluated together by lax.map (memory: ~15 MB each).
+_MAP_BATCH = 8
+
+
+# =======================================================================================
+# The event.
+# =======================================================================================
+
+
+@_event(data=("steps_per_pass", "event"), meta=())
+class RandomAllocation(Event):
+    """One epoch of ``steps_per_pass`` runs of ``event``, each record in one step chosen uniformly.
+
+    Balls-in-bins batching (random allocation of 1 of t steps, independently per record),
+    add/remove-one neighbours. The RDP accountant covers a :class:`Gaussian` inner event
+    with ``relation="add_remove"`` (σ over the clipping norm); see
+    :func:`random_allocation_rdp`. Compose epochs with :class:`SelfComposed` (or use
+    :func:`balls_in_bins_event`).
+
+    Attributes:
+      steps_per_pass: t ≥ 1, the number of steps (batches) per epoch (a leaf; integer).
+      event: the event of one step.
+    """
+
+    steps_per_pass: Any
+    event: Event
+
+    def __post_init__(self):
+        if not isinstance(self.event, Event) and _is_structural(self.event):
+            raise TypeError(f"RandomAllocation.event must be an Event; got {type(self.event).__name__}.")
+
+
+def _check_alloc(ev, path, chk, rec):
+    _validate.check_integer(f"{path}.steps_per_pass (RandomAllocation)", ev.steps_per_pass, lo=1.0)
+    rec(ev.event, f"{path}.event")
+
+
+register_event_type(RandomAllocation, relation=lambda ev: relation_of(ev.event), check=_check_alloc)
+
+
+def balls_in_bins_event(noise_multiplier, steps_per_pass, passes) -> SelfComposed:
+    r"""The event of a DP-SGD run with balls-in-bins batches: ``passes`` epochs of t steps each.
+
+    Every pass (epoch) allocates each record to one of its t steps uniformly at random,
+    independently across records and passes; each step adds Gaussian noise of standard
+    deviation σC to the sum of clipped gradients (add/remove-one neighbours):
+    ``SelfComposed(RandomAllocation(t, Gaussian(σ)), passes)``. Its ε is certified by
+    :func:`random_allocation_rdp` (both directions; no Poisson ε is implied).
+
+    Args:
+      noise_multiplier: σ > 0, the noise standard deviation over the clipping norm.
+      steps_per_pass: t ≥ 1 (integer), the number of batches per epoch.
+      passes: number of passes (epochs) ≥ 0.
+
+    Returns:
+      A :class:`SelfComposed` event (add/remove-one).
+
+    Examples:
+      >>> import jaxdp
+      >>> A = jaxdp.accounting
+      >>> e1 = float(A.epsilon(A.balls_in_bins_event(2.0, 1, 4), 1e-5))  # t = 1: the Gaussian
+      >>> e1 == float(A.epsilon(A.SelfComposed(A.Gaussian(2.0), 4), 1e-5))
+      True
+      >>> bool(A.epsilon(A.balls_in_bins_event(2.0, 100, 4), 1e-5) < e1)
+      True
+    """
+    _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True)
+    _validate.check_integer("steps_per_pass", steps_per_pass, lo=1.0)
+    _validate.check_in_range("passes", passes, 0.0, math.inf)
+    _validate.check_broadcastable(noise_multiplier=noise_multiplier, steps_per_pass=steps_per_pass, passes=passes)
+    return SelfComposed(RandomAllocation(steps_per_pass, Gaussian(noise_multiplier)), passes)
+
+
+# =======================================================================================
+# Remove direction: the partition sum (exact at integer orders).
+# =======================================================================================
+
+
+@functools.cache
+def _partition_table(amax: int):
+    """Per integer α in 2..amax the groups (ℓ parts, q = Σa², log N) of its partitions.
+
+    N(α; ℓ, q) = Σ over partitions of α with ℓ parts and Σ a_i² = q of
+    α!/(∏ a_i! ∏_v m_v!) (m_v the multiplicity of part v), so that the number of
+    compositions of α into t ordered parts with those parts, times the multinomial, is
+    t(t−1)…(t−ℓ+1) N. Returned as dense (amax − 1, width) arrays padded with ℓ = 0 rows
+    and log N = −inf.
+    """
+    lf = [math.lgamma(i + 1.0) for i in range(amax + 1)]
+    rows = []
+    for a in range(2, amax + 1):
+        acc: dict = defaultdict(float)
+
+        def rec(rem, maxpart, n_parts, q, logw, acc=acc):
+            if rem == 0:
+                acc[(n_parts, q)] += math.exp(logw)
+                return
+            for v in range(min(rem, maxpart), 0, -1):
+                for m in range(1, rem // v + 1):
+                    rec(rem - m * v, v - 1, n_parts + m, q + m * v * v, logw - m * lf[v] - lf[m])
+
+        rec(a, a, 0, 0, 0.0)
+        keys = sorted(acc)
+        rows.append((np.array([k[0] for k in keys], dtype=np.float64), np.array([k[1] for k in keys], dtype=np.float64),
+                     lf[a] + np.log(np.array([acc[k] for k in keys]))))
+    width = max(len(r[0]) for r in rows)
+    ell = np.zeros((len(rows), width))
+    q = np.zeros((len(rows), width))
+    logn = np.full((len(rows), width), -np.inf)
+    for i, (l_, q_, n_) in enumerate(rows):
+        ell[i, : len(l_)], q[i, : len(q_)], logn[i, : len(n_)] = l_, q_, n_
+    return ell, q, logn
+
+
+def _remove_log_moment(alphas: np.ndarray, t, sigma):
+    """log E_Q[(P/Q)^α] at the integer ``alphas`` (≤ REMOVE_EXACT_MAX), scalar t, σ: shape ``(len(alphas),)``."""
+    ell, q, logn = _partition_table(int(max(alphas)))
+    rows = np.asarray(alphas, dtype=np.int64) - 2
+    ell, q, logn = ell[rows], q[rows], logn[rows]
+    inv = 0.5 / sigma**2
+    ok = (ell >= 1) & (ell <= t)
+    t_ok = jnp.where(ok, t, ell + 1.0)
+    lfall = gammaln(t_ok + 1.0) - gammaln(t_ok - ell + 1.0)  # log t(t−1)…(t−ℓ+1)
+    terms = jnp.where(ok, logn + lfall + q * inv, -jnp.inf)
+    a = f64(alphas)
+    return jax.nn.logsumexp(terms, axis=-1) - a * jnp.log(t) - a * inv
+
+
+# =======================================================================================
+# Add direction: the Laplace-transform quadrature (certified upper bound).
+# =======================================================================================
+
+
+def _r_upper(w):
+    """An upper bound on R(w) = e^{-w} − 1 + w ≥ 0 (alternating series below 1e-2)."""
+    small = w < 1e-2
+    ws = jnp.where(small, w, 0.0)
+    series = ws * ws * (0.5 - ws / 6.0 + ws * ws / 24.0)
+    return jnp.where(small, series, jnp.expm1(-w) + w)
+
+
+def _log_phi_upper(s, sigma):
+    r"""An upper bound on log φ(s) at each ``s`` (1-D), φ(s) = E e^{-sY}, Y = exp(z/σ − 1/(2σ²)), z ~ N(0, 1).
+
+    Two bounds, the smaller taken:
+
+    * first order exact: φ(s) = 1 − s + E R(sY) (E Y = 1), with R(sY(z)) increasing in z
+      bounded by its value at each z-cell's right end, and R(w) ≤ w beyond the grid
+      (E[Y; z > c] = Φ̄(c − 1/σ));
+    * direct: e^{-sY(z)} decreasing in z, bounded by its value at each cell's left end
+      (1 below the grid).
+    """
+    frac = np.arange(_NZ + 1, dtype=np.float64) / _NZ
+    z_hi = _Z_HI + 1.0 / sigma
+    z = _Z_LO + (z_hi - _Z_LO) * frac  # (NZ + 1,)
+    # Cell masses, each from the tail on its own side (relative accuracy in both tails).
+    mass = jnp.where(z[:-1] >= 0, ndtr(-z[:-1]) - ndtr(-z[1:]), ndtr(z[1:]) - ndtr(z[:-1]))
+    mass = jnp.maximum(mass, 0.0)
+    sy = s[:, None] * jnp.exp(z / sigma - 0.5 / sigma**2)[None, :]  # (n, NZ + 1)
+    left = 0.5 * math.erfc(-_Z_LO / math.sqrt(2.0))  # Φ(z_0)
+    r_sum = jnp.sum(mass * _r_upper(sy[:, 1:]), axis=-1) + left * _r_upper(sy[:, 0])
+    r_sum = r_sum * (1.0 + _SUM_REL) + s * ndtr(-(z_hi - 1.0 / sigma))
+    x = -s + r_sum + _ABS * (1.0 + s)  # φ ≤ 1 + x
+    log_r = jnp.where(x > -1.0, jnp.log1p(jnp.where(x > -1.0, x, 0.0)), jnp.inf)  # x ≤ −1 only by rounding
+    d_sum = jnp.sum(mass * jnp.exp(-sy[:, :-1]), axis=-1) + left + ndtr(-z_hi) * jnp.exp(-sy[:, -1])
+    log_d = jnp.log(d_sum * (1.0 + _SUM_REL) + 1e-300)
+    return jnp.minimum(jnp.minimum(log_r, log_d), 0.0)
+
+
+def _lsinhc(x):
+    """log(sinh(x)/x), even in x, stable at 0."""
+    ax = jnp.abs(x)
+    small = ax < 1e-3
+    axs = jnp.where(small, 1.0, ax)
+    big = axs + jnp.log1p(-jnp.exp(-2.0 * axs)) - jnp.log(2.0 * axs)
+    return jnp.where(small, x * x / 6.0, big)
+
+
+def _add_log_moment(betas: np.ndarray, t, sigma):
+    r"""An upper bound on log E[S^{-β}] at each β > 0 (scalar t, σ): shape ``(len(betas),)``.
+
+    E[S^{-β}] = Γ(β)^{-1} ∫_0^∞ u^{β−1} φ(u/t)^t du (S^{-β} = Γ(β)^{-1}∫u^{β−1}e^{-uS}du,
+    Fubini, independence). Write φ(u/t)^t = e^{-u} e^{L(u)}, L(u) = t log E e^{-(u/t)(Y−1)}:
+    a cumulant generating function, convex in u, so L ≤ the chord through upper bounds
+    of L at consecutive nodes. On each sub-cell the exponent (β−1) log u − λu + κ is
+    concave (β ≥ 1: bounded by its tangent at the midpoint) or convex (β < 1: by its
+    chord), and the exponential of a line integrates in closed form. [0, U_0]: φ ≤ 1.
+    [U_1, ∞): e^{-w} ≤ (m/(e w))^m per factor with E Y^{-m} = e^{m(m+1)/(2σ²)}, p = mt,
+    the best of a few p > β.
+    """
+    b_ = f64(betas)[:, None, None]  # (k, 1, 1)
+    log_nodes = np.linspace(_LOG_U0, _LOG_U1, _NC + 1)
+    nodes = np.exp(log_nodes)
+    big_l = nodes + t * _log_phi_upper(nodes / t, sigma)  # upper bounds on L at the nodes
+    slope = (big_l[1:] - big_l[:-1]) / np.diff(nodes)
+    lam = (1.0 - slope)[:, None]  # (NC, 1)
+    kappa = (big_l[:-1] - slope * nodes[:-1])[:, None]
+    # Sub-cells (static), NF per chord.
+    sub = np.linspace(0.0, 1.0, _NF + 1)
+    log_edges = log_nodes[:-1, None] + np.diff(log_nodes)[:, None] * sub[None, :]  # (NC, NF + 1)
+    ea, eb = np.exp(log_edges[:, :-1]), np.exp(log_edges[:, 1:])
+    w = eb - ea
+    mid = 0.5 * (ea + eb)
+    # β ≥ 1: the exponent is concave; its tangent at the midpoint bounds it.
+    d = (b_ - 1.0) / mid - lam
+    tangent = (b_ - 1.0) * np.log(mid) - lam * mid + kappa + np.log(w) + _lsinhc(0.5 * d * w)
+    # β < 1: convex; its chord bounds it.
+    log_ga = (b_ - 1.0) * np.log(ea) - lam * ea + kappa
+    log_gb = (b_ - 1.0) * np.log(eb) - lam * eb + kappa
+    delta = log_ga - log_gb
+    chord = np.log(w) + log_ga - 0.5 * delta + _lsinhc(0.5 * delta)
+    cells = jnp.where(b_ >= 1.0, tangent, chord).reshape(len(betas), -1)
+    bv = f64(betas)
+    head = bv * _LOG_U0 - jnp.log(bv)  # ∫_0^{U_0} u^{β−1} du (φ ≤ 1)
+    tails = []
+    for mult in (1.0, 2.0, 4.0, 8.0):
+        p = mult * (bv + 1.0)
+        tails.append(p * (jnp.log(p) - 1.0 - _LOG_U1) + p * (p / t + 1.0) * (0.5 / sigma**2) + bv * _LOG_U1
+                     - jnp.log(p - bv))
+    tail = functools.reduce(jnp.minimum, tails)
+    parts = jnp.concatenate([cells, head[:, None], tail[:, None]], axis=-1)
+    return jax.nn.logsumexp(parts, axis=-1) - gammaln(bv)
+
+
+# =======================================================================================
+# The curve.
+# =======================================================================================
+
+
+_DIRECTIONS = ("both", "remove", "add")
+
+
+@float64
+def random_allocation_rdp(orders, steps_per_pass, noise_multiplier, *, direction: str = "both") -> jax.Array:
+    r"""Certified RDP of one epoch of balls-in-bins (random allocation of 1 of t steps), Gaussian steps.
+
+    Add/remove-one neighbours; P the epoch's output with the record, Q without (module
+    docstring). ``direction="both"`` (the guarantee) is the larger of
+
+    .. math::
+        ε_{rem}(α) = \frac{1}{α-1}\log\Big(t^{-α}e^{-α/(2σ^2)}\sum_{ℓ, q} t^{\underline{ℓ}}\,N_α(ℓ, q)\,e^{q/(2σ^2)}\Big),
+        \qquad ε_{add}(α) \le \min\Big\{\frac{α + t - 1}{2tσ^2},\ \frac{1}{α-1}\log \widehat{E}[S^{1-α}]\Big\},
+
+    the first exact at integer α ≤ :data:`REMOVE_EXACT_MAX` (N_α(ℓ, q) the multinomial
+    weight of the partitions of α with ℓ parts and Σa² = q; t to the ℓ falling), at
+    ⌈α⌉ for fractional α and α/(2σ²) above; the second the AM–GM bound and a certified
+    quadrature (see the module docstring). t = 1 gives the Gaussian α/(2σ²) exactly.
+
+    Args:
+      orders: Rényi orders > 1, a concrete 1-D sequence (static).
+      steps_per_pass: t ≥ 1, integer (any shape, broadcast with ``noise_multiplier``).
+      noise_multiplier: σ > 0 over the clipping norm (add/remove-one sensitivity).
+      direction: ``"both"`` (default), ``"remove"`` (D_α(P‖Q)) or ``"add"`` (the bound on
+        D_α(Q‖P)); static.
+
+    Returns:
+      float64 array ``batch + (k,)``; NaN under ``jit`` for invalid inputs.
+
+    References:
+      V. Feldman, M. Shenfeld, "Privacy amplification by random allocation", arXiv
+      2502.08202 (the dominating pair; the partition form of the remove direction);
+      L. Chua et al., "Balls-and-bins sampling for DP-SGD", AISTATS 2025, arXiv 2412.16802.
+
+    Examples:
+      >>> import jaxdp
+      >>> r = jaxdp.accounting.random_allocation_rdp([2.0, 8.0], 1, 2.0)  # t = 1: α/(2σ²)
+      >>> [round(float(v), 12) for v in r]
+      [0.25, 1.0]
+      >>> r = jaxdp.accounting.random_allocation_rdp([2.0], 2, 1.0, direction="remove")
+      >>> bool(abs(float(r[0]) - __import__("math").log((1 + __import__("math").e) / 2)) < 1e-12)
+      True
+    """
+    orders_np = _validate.concrete_orders(orders)
+    _validate.check_static_choice("direction", direction, _DIRECTIONS)
+    _validate.check_integer("steps_per_pass", steps_per_pass, lo=1.0)
+    _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True)
+    _validate.check_broadcastable(steps_per_pass=steps_per_pass, noise_multiplier=noise_multiplier)
+    return _alloc_rdp(orders_np, f64(steps_per_pass), f64(noise_multiplier), direction)
+
+
+def _alloc_one(orders_np, t, sigma, direction: str):
+    """The curve of one (scalar) configuration, assumed valid."""
+    orders = f64(orders_np)
+    gauss = orders * (0.5 / sigma**2)
+    out = []
+    if direction in ("both", "remove"):
+        ceil = np.maximum(np.ceil(orders_np), 2.0)
+        exact = ceil <= REMOVE_EXACT_MAX
+        rem = gauss
+        if np.any(exact):
+            ints = np.unique(ceil[exact]).astype(np.int64)
+            eps_int = (_remove_log_moment(ints, t, sigma) + _TABLE_MARGIN) / f64(ints - 1.0)
+            pos = np.searchsorted(ints, np.where(exact, ceil, ints[0]).astype(np.int64))
+            per_order = jnp.stack([eps_int[p] for p in pos])
+            rem = jnp.where(exact, jnp.minimum(per_order, gauss), gauss)
+        out.append(jnp.where(t == 1, gauss, jnp.maximum(rem, 0.0)))
+    if direction in ("both", "add"):
+        betas = orders_np - 1.0
+        amgm = 0.5 / sigma**2 + betas * (0.5 / (t * sigma**2))
+        quad = _add_log_moment(betas, t, sigma) / f64(betas)
+        quad = jnp.where(jnp.isnan(quad), jnp.inf, quad)
+        out.append(jnp.maximum(jnp.minimum(amgm, quad), 0.0))
+    return out[0] if len(out) == 1 else jnp.maximum(out[0], out[1])
+
+
+def _alloc_rdp(orders_np, t, sigma, direction: str = "both"):
+    shape = jnp.broadcast_shapes(jnp.shape(t), jnp.shape(sigma))
+    tf = jnp.broadcast_to(t, shape).reshape(-1)
+    sf = jnp.broadcast_to(sigma, shape).reshape(-1)
+    valid = (tf >= 1) & (tf == jnp.floor(tf)) & jnp.isfinite(tf) & (sf > 0) & jnp.isfinite(sf)
+    t_s = jnp.where(valid, tf, 1.0)
+    s_s = jnp.where(valid, sf, 1.0)
+    # One configuration at a time (a few MB of work arrays each), a few in parallel.
+    curve = jax.lax.map(lambda ts: _alloc_one(orders_np, ts[0], ts[1], direction), jnp.stack([t_s, s_s], axis=1),
+                        batch_size=_MAP_BATCH)
+    curve = jnp.where(valid[:, None], curve, jnp.nan)
+    return curve.reshape(shape + (len(orders_np),))
+
+
+# =======================================================================================
+# What the RDP accountant calls.
+# =======================================================================================
+
+
+def check_support(event, path: str) -> None:
+    """Raise ``ValueError`` unless the inner event is the add/remove-one Gaussian the analysis covers."""
+    inner = event.event
+    if not isinstance(inner, Gaussian):
+        raise ValueError(f"{path}: the RDP accountant supports RandomAllocation only of a Gaussian event; got "
+                         f"RandomAllocation({type(inner).__name__}).")
+    if inner.relation != "add_remove":
+        raise ValueError(f"{path}: the RandomAllocation analysis covers relation 'add_remove' only; got relation "
+                         f"{inner.relation!r}.")
+
+
+def rdp_curve(event, orders: np.ndarray):
+    """The RDP curve of one :class:`RandomAllocation` epoch (both directions)."""
+    return _alloc_rdp(orders, f64(event.steps_per_pass), f64(event.event.noise_multiplier))
