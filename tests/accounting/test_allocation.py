@@ -1,0 +1,189 @@
+"""Balls-in-bins / random allocation (jaxdp/accounting/_allocation.py).
+
+References, none of them jaxdp: the remove direction's moment by brute force over ordered
+compositions in mpmath (t ≤ 4); both directions at t = 2 by an mpmath quadrature of the
+densities (rotated so that it is one-dimensional); the Gaussian mechanism's closed form at
+t = 1; a Monte Carlo estimate of E[S^{-1}] with its confidence bound for larger t; and the
+hockey-stick divergence of the privacy-loss random variable by Monte Carlo, whose 99 %
+lower confidence bound must not exceed the δ the accountant certifies at its ε.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxdp.accounting as A
+from tests.references import allocation_remove_moment, allocation_renyi_t2
+
+# Rounding of the float64 partition tables: the remove direction is exact up to this.
+EXACT_RTOL = 1e-11
+EXACT_ATOL = 2e-12  # the 1e-12 margin on log M, over α − 1 ≥ 1
+# Slack of the add-direction quadrature seen on these grids (its cells are bounded from
+# above, so it is never below the exact value; it may exceed it by up to ~4 %).
+ADD_SLACK = 0.05
+
+
+def _rdp(orders, t, sigma, direction):
+    return np.asarray(A.random_allocation_rdp(orders, t, sigma, direction=direction))
+
+
+# =======================================================================================
+# Exact references.
+# =======================================================================================
+
+
+@pytest.mark.parametrize("sigma", [0.6, 1.0, 2.5])
+def test_t1_is_the_gaussian_mechanism(sigma):
+    orders = np.array([1.25, 2.0, 3.5, 10.0, 64.0, 256.0])
+    for direction in ("remove", "add", "both"):
+        np.testing.assert_allclose(_rdp(orders, 1, sigma, direction), orders / (2 * sigma**2), rtol=1e-14)
+    ev = A.balls_in_bins_event(sigma, 1, 7)
+    assert float(A.epsilon(ev, 1e-5)) == float(A.epsilon(A.SelfComposed(A.Gaussian(sigma), 7), 1e-5))
+
+
+@pytest.mark.parametrize("t", [2, 3, 4])
+@pytest.mark.parametrize("sigma", [0.5, 1.0, 3.0])
+def test_remove_direction_is_exact_at_integer_orders(t, sigma):
+    alphas = [2, 3, 5, 8, 12]
+    mine = _rdp(np.array(alphas, dtype=float), t, sigma, "remove")
+    ref = np.array([allocation_remove_moment(t, sigma, a) / (a - 1) for a in alphas])
+    np.testing.assert_allclose(mine, ref, rtol=EXACT_RTOL, atol=EXACT_ATOL)
+    assert np.all(mine >= ref)  # the margin puts rounding on the safe side
+
+
+@pytest.mark.parametrize("sigma", [0.7, 1.0, 2.0])
+def test_t2_both_directions_against_quadrature(sigma):
+    ints = np.array([2.0, 3.0, 6.0])
+    rem = _rdp(ints, 2, sigma, "remove")
+    np.testing.assert_allclose(rem, [allocation_renyi_t2(a, sigma, "remove") for a in ints], rtol=1e-10)
+    orders = np.array([1.5, 2.0, 3.0, 4.5, 8.0])
+    add = _rdp(orders, 2, sigma, "add")
+    ref = np.array([allocation_renyi_t2(a, sigma, "add") for a in orders])
+    assert np.all(add >= ref), (add, ref)
+    assert np.all(add <= ref * (1 + ADD_SLACK)), (add / ref)
+
+
+def test_fractional_orders_use_the_next_integer():
+    r = _rdp(np.array([2.5, 3.0]), 3, 1.0, "remove")
+    assert r[0] == r[1]
+
+
+def test_add_direction_above_a_monte_carlo_confidence_bound():
+    """E[S^{-1}] (order 2) at t = 10 and 50: the certified bound is above the MC mean's lower confidence bound."""
+    rng = np.random.default_rng(7)
+    n = 200_000
+    for t, sigma in ((10, 1.0), (50, 0.8)):
+        z = rng.standard_normal((n, t))
+        inv = 1.0 / np.exp(z / sigma - 0.5 / sigma**2).mean(axis=1)
+        lo = inv.mean() - 3.3 * inv.std() / math.sqrt(n)  # 99.95 % one-sided (CLT; S^{-1} has all moments)
+        bound = float(_rdp(np.array([2.0]), t, sigma, "add")[0])
+        assert bound >= math.log(lo)
+        assert bound <= math.log(inv.mean()) * (1 + ADD_SLACK) + 1e-4
+
+
+def test_allocation_is_no_worse_than_poisson_as_t_grows():
+    """At t = 1000 steps per pass the balls-in-bins ε is within 5 % of (here below) Poisson at q = 1/t.
+
+    Same σ, same number of steps t·passes, δ = 1e-5; at t = 10 it may exceed Poisson.
+    """
+    for sigma, passes in ((0.8, 5), (1.0, 20), (2.0, 50)):
+        alloc = float(A.epsilon(A.balls_in_bins_event(sigma, 1000, passes), 1e-5))
+        poisson = float(A.dpsgd_epsilon(1e-3, sigma, 1000 * passes, 1e-5))
+        assert alloc <= 1.05 * poisson, (sigma, alloc, poisson)
+        assert alloc >= 0.5 * poisson, (sigma, alloc, poisson)
+
+
+# =======================================================================================
+# Monte Carlo lower bounds on the hockey-stick divergence.
+# =======================================================================================
+
+
+def _mc_delta_lower(sigma, t, passes, eps, n, rng, direction, confidence=0.99):
+    """A lower confidence bound on δ(ε) = E[(1 − e^{ε − L})_+] of the privacy-loss variable L.
+
+    L sums over passes the log density ratio of one epoch, drawn under P (remove: the
+    record in step 1, WLOG by symmetry) or Q (add). Each term is in [0, 1]; the bound is
+    the empirical-Bernstein lower bound of Maurer & Pontil (2009), Theorem 4.
+    """
+    loss = np.zeros(n)
+    for _ in range(passes):
+        x = sigma * rng.standard_normal((n, t))
+        if direction == "remove":
+            x[:, 0] += 1.0
+        ll = np.logaddexp.reduce((2 * x - 1) / (2 * sigma**2), axis=1) - math.log(t)
+        loss += ll if direction == "remove" else -ll
+    h = -np.expm1(np.minimum(eps - loss, 0.0))  # (1 − e^{ε−L})_+
+    log_term = math.log(2.0 / (1.0 - confidence))
+    var = h.var(ddof=1)
+    return h.mean() - math.sqrt(2 * var * log_term / n) - 7 * log_term / (3 * (n - 1))
+
+
+def _check_mc(configs, n, seed):
+    rng = np.random.default_rng(seed)
+    for sigma, t, passes, delta in configs:
+        eps = float(A.epsilon(A.balls_in_bins_event(sigma, t, passes), delta))
+        for direction in ("remove", "add"):
+            lo = _mc_delta_lower(sigma, t, passes, eps, n, rng, direction)
+            assert lo <= delta, (sigma, t, passes, delta, eps, direction, lo)
+
+
+def test_epsilon_above_monte_carlo_lower_bound_fast():
+    _check_mc([(0.6, 4, 1, 0.1), (1.0, 10, 2, 0.05), (2.0, 32, 3, 0.01)], n=50_000, seed=3)
+
+
+@pytest.mark.slow
+def test_epsilon_above_monte_carlo_lower_bound_50_configs():
+    rng = np.random.default_rng(11)
+    configs = []
+    for _ in range(50):
+        configs.append((float(np.exp(rng.uniform(math.log(0.5), math.log(3.0)))), int(rng.integers(2, 65)),
+                        int(rng.integers(1, 5)), float(rng.choice([0.2, 0.1, 0.05, 0.01]))))
+    _check_mc(configs, n=100_000, seed=12)
+
+
+# =======================================================================================
+# Transformations, dtypes, errors.
+# =======================================================================================
+
+
+def test_jit_vmap_grad_agree():
+    sig = jnp.array([0.8, 1.0, 2.0])
+    t = jnp.array([10.0, 100.0, 1000.0])
+    eager = np.asarray(A.epsilon(A.balls_in_bins_event(sig, t, 3), 1e-5))
+    f = jax.jit(lambda s, n: A.epsilon(A.balls_in_bins_event(s, n, 3), 1e-5))
+    np.testing.assert_allclose(np.asarray(jax.vmap(f)(sig, t)), eager, rtol=1e-12)
+    g = jax.grad(lambda s: A.epsilon(A.balls_in_bins_event(s, 100.0, 3), 1e-5))(1.0)
+    h = 1e-5
+    fd = (float(f(1.0 + h, 100.0)) - float(f(1.0 - h, 100.0))) / (2 * h)
+    assert g < 0 and abs(float(g) - fd) < 1e-3 * abs(fd)
+
+
+def test_float64_with_x64_off():
+    with jax.enable_x64(False):
+        e = jax.jit(lambda s: A.epsilon(A.balls_in_bins_event(s, 50, 2), 1e-5))(1.0)
+        assert e.dtype == jnp.float64
+        r = jax.vmap(lambda s: A.random_allocation_rdp([2.0, 8.0], 50, s))(jnp.array([1.0, 2.0]))
+        assert r.dtype == jnp.float64
+    with jax.enable_x64(True):
+        e64 = A.epsilon(A.balls_in_bins_event(1.0, 50, 2), 1e-5)
+    assert abs(float(e) - float(e64)) < 1e-12 * float(e64)
+
+
+def test_invalid_inputs():
+    with pytest.raises(ValueError, match="steps_per_pass"):
+        A.balls_in_bins_event(1.0, 2.5, 1)
+    with pytest.raises(ValueError, match="steps_per_pass"):
+        A.random_allocation_rdp([2.0], 0, 1.0)
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        A.balls_in_bins_event(0.0, 10, 1)
+    with pytest.raises(ValueError, match="direction"):
+        A.random_allocation_rdp([2.0], 10, 1.0, direction="up")
+    with pytest.raises(ValueError, match="add_remove"):
+        A.epsilon(A.RandomAllocation(10, A.Gaussian(1.0, relation="replace_one")), 1e-5)
+    bad = jax.jit(lambda n: A.random_allocation_rdp([2.0], n, 1.0))(2.5)
+    assert np.isnan(np.asarray(bad)).all()
