@@ -11,7 +11,12 @@ peer runs per configuration on a subsample (its rate extrapolated per configurat
   ``TruncatedSubsampledGaussianDpEvent`` (its only accountant for the event; a different,
   PLD analysis, so the ε of both are printed side by side, not compared for equality);
 * sampling with replacement: dp_accounting 0.6.0 has the event but no accountant; jaxdp
-  alone is timed.
+  alone is timed;
+* balls-in-bins (random allocation, 1 of t steps per pass): the NumPy/numba PLD of
+  moshenfeld/PLD_accounting (PyPI ``pld-accounting``), run in its own virtual environment
+  (``--peer-python``, default /work/venv-alloc/bin/python; it is not a jaxdp dependency)
+  in a subprocess that times each configuration after its import; a tight PLD (jaxdp's
+  is an RDP bound), so both ε are printed.
 
     python benchmarks/batch_schemes.py                  # 2,000 configurations per scheme
     python benchmarks/batch_schemes.py --peer-sample 20
@@ -20,9 +25,11 @@ peer runs per configuration on a subsample (its rate extrapolated per configurat
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import platform
+import subprocess
 import sys
 import time
 
@@ -56,6 +63,10 @@ def main():
     p.add_argument("--configs", type=int, default=2000)
     p.add_argument("--peer-sample", type=int, default=20)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--alloc-configs", type=int, default=200)
+    p.add_argument("--alloc-peer-sample", type=int, default=3)
+    p.add_argument("--peer-python", default="/work/venv-alloc/bin/python")
+    p.add_argument("--peer-timeout", type=float, default=900.0)
     args = p.parse_args()
 
     import dp_accounting as dpa
@@ -121,7 +132,51 @@ def main():
         (recs, sig, steps), args.repeats)
     print(f"with replacement (m = 64): jaxdp {best / n * 1e6:.1f} µs/config (compile {comp:.1f} s); "
           "dp_accounting 0.6.0: no accountant for the event")
+    _balls_in_bins(args, rng)
     print(f"load at the end {os.getloadavg()[0]:.1f}")
+
+
+# The peer, run by its own interpreter: ε and seconds per configuration, after the import.
+_PEER = """
+import json, sys, time
+from PLD_accounting import PrivacyParams, AllocationSchemeConfig, gaussian_allocation_epsilon_configurable
+out = []
+for s, t, e in json.loads(sys.argv[1]):
+    t0 = time.perf_counter()
+    eps = gaussian_allocation_epsilon_configurable(
+        params=PrivacyParams(sigma=s, num_steps=t, num_epochs=e, delta=float(sys.argv[2])),
+        config=AllocationSchemeConfig())
+    out.append((eps, time.perf_counter() - t0))
+print(json.dumps(out))
+"""
+
+
+def _balls_in_bins(args, rng):
+    import jaxdp.accounting as A
+
+    n = args.alloc_configs
+    sig = np.exp(rng.uniform(math.log(0.6), math.log(3.0), n))
+    t = rng.integers(10, 2_000, n).astype(float)
+    passes = rng.integers(1, 50, n).astype(float)
+    eps, comp, best = _time_jaxdp(lambda a, b, c: A.balls_in_bins_event(a, b, c), (sig, t, passes), args.repeats)
+    line = f"balls-in-bins: jaxdp RDP {best / n * 1e3:.2f} ms/config over {n} (compile {comp:.1f} s)"
+    if not os.path.exists(args.peer_python):
+        print(line + f"; peer not installed ({args.peer_python}): pip install pld-accounting into a separate venv")
+        return
+    sub = rng.choice(n, size=min(args.alloc_peer_sample, n), replace=False)
+    cfg = [(float(sig[i]), int(t[i]), int(passes[i])) for i in sub]
+    try:
+        res = subprocess.run([args.peer_python, "-c", _PEER, json.dumps(cfg), repr(DELTA)], capture_output=True,
+                             text=True, timeout=args.peer_timeout, check=True)
+    except (subprocess.TimeoutExpired, subprocess.CalledProcessError) as err:
+        print(line + f"; peer failed or ran past {args.peer_timeout:.0f} s: {type(err).__name__}")
+        return
+    peer = json.loads(res.stdout.strip().splitlines()[-1])
+    secs = np.array([p[1] for p in peer])
+    print(line + f"; PLD_accounting PLD median {np.median(secs) * 1e3:.0f} ms/config (first, with numba compile: "
+          f"{secs[0]:.1f} s); ratio {np.median(secs) / (best / n):.0f}x")
+    for (s, tt, e), (pe, _), me in zip(cfg, peer, eps[sub]):
+        print(f"  σ={s:.3f} t={tt} passes={e}: ε jaxdp RDP {me:.4f}, PLD_accounting PLD {pe:.4f}")
 
 
 if __name__ == "__main__":
