@@ -16,10 +16,11 @@ P with the record, Q without. The curve reported at order α is
 max(D_α(P‖Q), D_α(Q‖P)) per epoch, composed over epochs by :class:`SelfComposed`.
 
 * **Remove direction** D_α(P‖Q), exact at integer α (:func:`_remove_log_moment`):
-  :math:`E_Q[(P/Q)^α] = t^{-α} e^{-α/(2σ^2)} \sum_{a ⊢_t α} \binom{α}{a} \prod_i e^{a_i^2/(2σ^2)}`
-  over compositions a of α into t parts, grouped by integer partition (their number of
-  parts ℓ and Σa_i² = q); at a fractional order the next integer (D_α is non-decreasing
-  in α); above order :data:`REMOVE_EXACT_MAX`, the Gaussian α/(2σ²) (joint convexity).
+  :math:`E_Q[(P/Q)^α] = t^{-α} e^{-α/(2σ^2)} \sum_{a} \binom{α}{a} \prod_i e^{a_i^2/(2σ^2)}`
+  over compositions a of α into t parts, i.e. t^{-α} α! [x^α] f(x)^t with
+  f(x) = Σ_k e^{k(k−1)/(2σ²)} x^k/k!, computed by binary powering of the series in log
+  space; at a fractional order the next integer (D_α is non-decreasing in α); above
+  order :data:`REMOVE_EXACT_MAX`, the Gaussian α/(2σ²) (joint convexity).
 * **Add direction** D_α(Q‖P) = log E[S^{-β}]/β, β = α − 1, S = (1/t)Σ_i Y_i, Y_i =
   exp((2x_i − 1)/(2σ²)) with x_i ~ N(0, σ²) iid; the smaller of two certified bounds:
 
@@ -38,7 +39,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections import defaultdict
 from typing import Any
 
 import jax
@@ -47,14 +47,14 @@ import numpy as np
 from jax.scipy.special import gammaln, ndtr
 
 from .. import _validate
-from .._numerics import f64, float64
+from .._numerics import f64, float64, take
 from ._events import Event, Gaussian, SelfComposed, _event, _is_structural, register_event_type, relation_of
 
 __all__ = ["RandomAllocation", "balls_in_bins_event", "random_allocation_rdp", "REMOVE_EXACT_MAX"]
 
-#: Largest integer order at which the remove direction is computed exactly (the partition
-#: tables of orders 2..40 hold 41,900 (parts, Σa²) groups; built once, about 1 s).
-REMOVE_EXACT_MAX = 40
+#: Largest integer order at which the remove direction is computed exactly (above it, the
+#: Gaussian α/(2σ²)); dp_accounting's default orders end at 256 below their far tail.
+REMOVE_EXACT_MAX = 256
 
 # Quadrature of the add direction (see _add_log_moment): z-cells for φ, coarse u-nodes for
 # the chords of log(e^u φ^t), sub-cells per chord for the closed-form integral, u range.
@@ -68,8 +68,9 @@ _Z_HI = 12.0  # plus 1/σ (the first-moment tail Φ̄(z_N − 1/σ) < 2e-33)
 # Rounding margins: relative on a sum of _NZ positive terms, absolute on values near 1.
 _SUM_REL = 2e-12
 _ABS = 1e-15
-# log M margin for the float64 partition tables (relative error ~1e-15 per entry).
-_TABLE_MARGIN = 1e-12
+# log M margin for the float64 series powering (≤ 62 log-space products of positive terms,
+# each a few ulps relative).
+_TABLE_MARGIN = 1e-11
 # Configurations evaluated together by lax.map (memory: ~15 MB each).
 _MAP_BATCH = 8
 
@@ -144,58 +145,53 @@ def balls_in_bins_event(noise_multiplier, steps_per_pass, passes) -> SelfCompose
 
 
 # =======================================================================================
-# Remove direction: the partition sum (exact at integer orders).
+# Remove direction: the moment series (exact at integer orders).
 # =======================================================================================
 
 
-@functools.cache
-def _partition_table(amax: int):
-    """Per integer α in 2..amax the groups (ℓ parts, q = Σa², log N) of its partitions.
+def _log_series_mul(la, lb):
+    """log of the coefficients of (Σ e^{la_j} x^j)(Σ e^{lb_j} x^j), truncated at the same degree K.
 
-    N(α; ℓ, q) = Σ over partitions of α with ℓ parts and Σ a_i² = q of
-    α!/(∏ a_i! ∏_v m_v!) (m_v the multiplicity of part v), so that the number of
-    compositions of α into t ordered parts with those parts, times the multinomial, is
-    t(t−1)…(t−ℓ+1) N. Returned as dense (amax − 1, width) arrays padded with ℓ = 0 rows
-    and log N = −inf.
+    c_n = logsumexp_j (la_j + lb_{n−j}); all terms positive, nothing cancels. The Toeplitz
+    matrix lb_{n−j} is built by the skew-reshape trick (static slices and reshapes only,
+    which transpose cleanly in reverse mode, unlike a gather).
     """
-    lf = [math.lgamma(i + 1.0) for i in range(amax + 1)]
-    rows = []
-    for a in range(2, amax + 1):
-        acc: dict = defaultdict(float)
-
-        def rec(rem, maxpart, n_parts, q, logw, acc=acc):
-            if rem == 0:
-                acc[(n_parts, q)] += math.exp(logw)
-                return
-            for v in range(min(rem, maxpart), 0, -1):
-                for m in range(1, rem // v + 1):
-                    rec(rem - m * v, v - 1, n_parts + m, q + m * v * v, logw - m * lf[v] - lf[m])
-
-        rec(a, a, 0, 0, 0.0)
-        keys = sorted(acc)
-        rows.append((np.array([k[0] for k in keys], dtype=np.float64), np.array([k[1] for k in keys], dtype=np.float64),
-                     lf[a] + np.log(np.array([acc[k] for k in keys]))))
-    width = max(len(r[0]) for r in rows)
-    ell = np.zeros((len(rows), width))
-    q = np.zeros((len(rows), width))
-    logn = np.full((len(rows), width), -np.inf)
-    for i, (l_, q_, n_) in enumerate(rows):
-        ell[i, : len(l_)], q[i, : len(q_)], logn[i, : len(n_)] = l_, q_, n_
-    return ell, q, logn
+    k1 = la.shape[-1]  # K + 1
+    u = jnp.concatenate([lb[::-1], jnp.full((k1 - 1,), -jnp.inf)])  # u[i] = lb[K − i], length 2K + 1
+    # Row n must start at u[K − n]: roll so that index 0 is u[K], then rows of 2K elements
+    # of the tiled sequence start one element earlier each.
+    v = jnp.concatenate([u[k1 - 1:], u[:k1 - 1]])
+    tiled = jnp.tile(v, k1)[: k1 * (2 * k1 - 2)].reshape(k1, 2 * k1 - 2) if k1 > 1 else v[None, :1]
+    toeplitz = tiled[:, :k1]
+    return jax.nn.logsumexp(la[None, :] + toeplitz, axis=-1)
 
 
 def _remove_log_moment(alphas: np.ndarray, t, sigma):
-    """log E_Q[(P/Q)^α] at the integer ``alphas`` (≤ REMOVE_EXACT_MAX), scalar t, σ: shape ``(len(alphas),)``."""
-    ell, q, logn = _partition_table(int(max(alphas)))
-    rows = np.asarray(alphas, dtype=np.int64) - 2
-    ell, q, logn = ell[rows], q[rows], logn[rows]
-    inv = 0.5 / sigma**2
-    ok = (ell >= 1) & (ell <= t)
-    t_ok = jnp.where(ok, t, ell + 1.0)
-    lfall = gammaln(t_ok + 1.0) - gammaln(t_ok - ell + 1.0)  # log t(t−1)…(t−ℓ+1)
-    terms = jnp.where(ok, logn + lfall + q * inv, -jnp.inf)
+    r"""log E_Q[(P/Q)^α] at the integer ``alphas`` (≤ REMOVE_EXACT_MAX), scalar t, σ: ``(len(alphas),)``.
+
+    With Y = exp((2x − 1)/(2σ²)), E Y^k = e^{k(k−1)/(2σ²)}, and the multinomial theorem,
+    E[(Σ_i Y_i)^α] = α! [x^α] f(x)^t with f(x) = Σ_k E[Y^k] x^k/k! (exponential generating
+    functions multiply under independent sums). f^t is computed by binary powering of the
+    series truncated at degree max(alphas), in log space (every term positive, nothing
+    cancels); then E_Q[(P/Q)^α] = E[(ΣY_i)^α]/t^α.
+    """
+    kmax = int(max(alphas))
+    k = np.arange(kmax + 1, dtype=np.float64)
+    lf = k * (k - 1.0) * (0.5 / sigma**2) - gammaln(k + 1.0)
+    one = jnp.where(k == 0, 0.0, -jnp.inf)  # the series 1
+    n_bits = 31  # t < 2^31
+    ti = t
+
+    def body(i, carry):
+        acc, base, rem = carry
+        bit = jnp.mod(rem, 2.0) == 1.0
+        acc = jnp.where(bit, _log_series_mul(acc, base), acc)
+        base = _log_series_mul(base, base)
+        return acc, base, jnp.floor(rem / 2.0)
+
+    acc, _, _ = jax.lax.fori_loop(0, n_bits, body, (one, lf, ti))
     a = f64(alphas)
-    return jax.nn.logsumexp(terms, axis=-1) - a * jnp.log(t) - a * inv
+    return gammaln(a + 1.0) + take(acc, np.asarray(alphas, dtype=np.int64), axis=0) - a * jnp.log(t)
 
 
 # =======================================================================================
@@ -310,12 +306,11 @@ def random_allocation_rdp(orders, steps_per_pass, noise_multiplier, *, direction
     docstring). ``direction="both"`` (the guarantee) is the larger of
 
     .. math::
-        ε_{rem}(α) = \frac{1}{α-1}\log\Big(t^{-α}e^{-α/(2σ^2)}\sum_{ℓ, q} t^{\underline{ℓ}}\,N_α(ℓ, q)\,e^{q/(2σ^2)}\Big),
+        ε_{rem}(α) = \frac{1}{α-1}\log\Big(t^{-α}\,α!\,[x^α]\Big(\sum_{k≥0} \frac{e^{k(k-1)/(2σ^2)}}{k!}x^k\Big)^t\Big),
         \qquad ε_{add}(α) \le \min\Big\{\frac{α + t - 1}{2tσ^2},\ \frac{1}{α-1}\log \widehat{E}[S^{1-α}]\Big\},
 
-    the first exact at integer α ≤ :data:`REMOVE_EXACT_MAX` (N_α(ℓ, q) the multinomial
-    weight of the partitions of α with ℓ parts and Σa² = q; t to the ℓ falling), at
-    ⌈α⌉ for fractional α and α/(2σ²) above; the second the AM–GM bound and a certified
+    the first exact at integer α ≤ :data:`REMOVE_EXACT_MAX` (the multinomial expansion
+    of E_Q[(P/Q)^α]), at ⌈α⌉ for fractional α and α/(2σ²) above; the second the AM–GM bound and a certified
     quadrature (see the module docstring). t = 1 gives the Gaussian α/(2σ²) exactly.
 
     Args:
@@ -330,7 +325,7 @@ def random_allocation_rdp(orders, steps_per_pass, noise_multiplier, *, direction
 
     References:
       V. Feldman, M. Shenfeld, "Privacy amplification by random allocation", arXiv
-      2502.08202 (the dominating pair; the partition form of the remove direction);
+      2502.08202 (the dominating pair; the multinomial form of the remove direction);
       L. Chua et al., "Balls-and-bins sampling for DP-SGD", AISTATS 2025, arXiv 2412.16802.
 
     Examples:
