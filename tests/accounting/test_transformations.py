@@ -160,11 +160,14 @@ CASES.update({
     "dpsbcd_composition_rdp": (lambda x: A.dpsbcd_composition_rdp(ORD, (0.01, 0.02, 0.01), learning_rate=0.05,
                                                                   sensitivity=x, num_records=12, batch_size=3)[-1, -1],
                                1.3),
-    # Batch schemes: fixed-size sampling with and without replacement, truncated Poisson, shuffling.
+    # Batch schemes: fixed-size sampling with and without replacement, truncated Poisson, shuffling,
+    # balls-in-bins.
     "sampled_without_replacement_rdp": (lambda x: A.sampled_without_replacement_rdp(ORD, 0.01, x)[-1], 1.3),
     "sampled_with_replacement_rdp": (lambda x: A.sampled_with_replacement_rdp(ORD, 1000, 10, x)[-1], 1.3),
     "truncated_poisson_rdp": (lambda x: A.truncated_poisson_rdp(ORD, 0.01, 1000, 20, x)[-1], 1.3),
     "shuffled_event": (lambda x: A.epsilon(A.shuffled_event(x, 3), 1e-5, orders=ORD), 1.3),
+    "random_allocation_rdp": (lambda x: A.random_allocation_rdp(ORD, 50, x)[-1], 1.3),
+    "balls_in_bins_event": (lambda x: A.epsilon(A.balls_in_bins_event(x, 50, 3), 1e-5, orders=ORD), 1.3),
     "dpsbcd_rdp": (lambda x: A.dpsbcd_rdp(ORD, (0.01, 0.02, 0.01), learning_rate=0.05, sensitivity=x,
                                           contraction=0.97, prox_lipschitz=1.0, num_records=12, batch_size=3)[-1], 1.3),
     "dpsbcd_rdp_per_batch": (lambda x: A.dpsbcd_rdp_per_batch(ORD, (0.01, 0.02, 0.01), learning_rate=0.05,
