@@ -50,10 +50,10 @@ def add_parser(sub) -> None:
     p.add_argument("--sampler", choices=("poisson", "truncated-poisson", "fixed-size", "balls-in-bins", "shuffle"),
                    default="poisson",
                    help="--algorithm dpsgd: the batch scheme (default poisson; the epsilon is always the scheme's): "
-                        "truncated-poisson (needs --max-batch), fixed-size (without replacement, replace-one "
+                        "truncated-poisson (needs --max-batch-size), fixed-size (without replacement, replace-one "
                         "neighbours), balls-in-bins or shuffle (no amplification certified: the report says so first); "
                         "--batch-size sets the (expected) batch")
-    p.add_argument("--max-batch", type=int, default=None, metavar="B",
+    p.add_argument("--max-batch-size", "--max-batch", type=int, default=None, metavar="B", dest="max_batch_size",
                    help="--sampler truncated-poisson: the cap on a batch (records beyond it are dropped)")
     p.add_argument("--model", choices=_MODELS, default="softmax",
                    help="softmax (default), logistic (odd vs even digit) or mlp (one hidden layer of 128)")
@@ -302,15 +302,16 @@ def _sampler(args):
     """DP-SGD's sampler from --sampler and --max-batch (None: Poisson, as without the option)."""
     if args.algorithm != "dpsgd" and args.sampler != "poisson":
         raise _Usage(f"--sampler {args.sampler} needs --algorithm dpsgd")
-    if (args.max_batch is not None) != (args.sampler == "truncated-poisson"):
-        raise _Usage("--sampler truncated-poisson needs --max-batch, and --max-batch needs --sampler truncated-poisson")
-    if args.max_batch is not None and args.max_batch < 1:
-        raise _Usage(f"--max-batch must be an integer >= 1; got {args.max_batch}")
+    if (args.max_batch_size is not None) != (args.sampler == "truncated-poisson"):
+        raise _Usage("--sampler truncated-poisson needs --max-batch-size, and --max-batch-size needs --sampler "
+                     "truncated-poisson")
+    if args.max_batch_size is not None and args.max_batch_size < 1:
+        raise _Usage(f"--max-batch-size must be an integer >= 1; got {args.max_batch_size}")
     if args.sampler == "poisson":
         return None
     from ..training import samplers
 
-    return samplers.by_name(args.sampler, **({"max_batch": args.max_batch} if args.max_batch else {}))
+    return samplers.by_name(args.sampler, **({"max_batch_size": args.max_batch_size} if args.max_batch_size else {}))
 
 
 def _noise(args) -> dict:

@@ -6,10 +6,15 @@ expected batch size), sums the per-example gradients clipped at :math:`C` over i
 sampling and noise keys come from the secret key; the guarantee is
 ``dpsgd_epsilon(q, ν, steps, δ)`` for every record, add/remove neighbours, every iterate
 possibly released, whatever the model (no convexity needed).
+
+With ``sampler=`` another batch scheme of :mod:`jaxdp.training.samplers` picks the batches
+(truncated Poisson, fixed size, balls-in-bins, shuffling), and the guarantee is that
+scheme's event (:meth:`~jaxdp.training.samplers.Sampler.event`), never the Poisson one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -162,7 +167,7 @@ def setup(mech: DPSGDMechanism, model, x, y, x_bound, *, delta, order_seed, secr
     """DP-SGD on ``model`` and ``(x, y)``: ledger, initial state and the compiled calls."""
     n = int(x.shape[0])
     batch_size, passes, clip_norm = mech.batch_size, mech.passes, float(mech.clip_norm)
-    default = mech.sampler is None or (isinstance(mech.sampler, Poisson) and mech.sampler.rate is None)
+    default = mech.sampler is None or (isinstance(mech.sampler, Poisson) and mech.sampler.q is None)
     if default and batch_size > n:
         raise ValueError(f"batch_size must be <= the number of training examples ({n}); got {batch_size}.")
     loss_fn = declared_loss_fn(model, mech.loss_fn)
@@ -270,13 +275,13 @@ def _noise_for_target(target: float, q: float, num_steps: int, delta: float) -> 
 
 def _own_size(sampler: Sampler):
     """The size a sampler sets itself (its rate, batch size or batches per epoch), or None."""
-    return next((getattr(sampler, f) for f in ("rate", "batch_size", "batches_per_epoch")
-                 if getattr(sampler, f, None) is not None), None)
+    own = {f.name for f in dataclasses.fields(sampler)} & {"q", "batch_size", "steps_per_pass"}
+    return next((getattr(sampler, f) for f in sorted(own) if getattr(sampler, f) is not None), None)
 
 
 def _bind_sampler(sampler: Sampler | None, n: int, batch_size: int):
     """``(bound sampler, q, steps per pass, capacity, divisor)``; Poisson from ``batch_size`` exactly as before samplers."""
-    if sampler is None or (isinstance(sampler, Poisson) and sampler.rate is None):
+    if sampler is None or (isinstance(sampler, Poisson) and sampler.q is None):
         q = batch_size / n
         return (Poisson(q).bind(n), q, math.ceil(n / batch_size), batch_capacity(n, q, overflow=_OVERFLOW),
                 float(batch_size))

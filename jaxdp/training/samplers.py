@@ -7,19 +7,16 @@ size. No sampled record is ever dropped, except by :class:`TruncatedPoisson`, wh
 drops the records beyond its cap. The keys are secret (whoever knows the batches loses
 the amplification); they come from the run's secret key.
 
-=====================  ===============================================  ===============  ===========================
-sampler                a step's batch                                   relation         event (:meth:`Sampler.event`)
-=====================  ===============================================  ===============  ===========================
-:class:`Poisson`       each record independently with probability q    add/remove-one   ``dpsgd_event(q, ν, T)``
-:class:`TruncatedPoisson`  Poisson, then a uniform ``max_batch`` of it  add/remove-one   ``TruncatedPoissonSampled``
-                       if more were drawn
-:class:`FixedSize`     ``batch_size`` uniform records, without (or     replace-one      ``SampledWithoutReplacement``
-                       with) replacement                                                 (``SampledWithReplacement``)
-:class:`BallsInBins`   each epoch, each record in one uniformly         replace-one      no amplification: one
-                       random of the ``batches_per_epoch`` batches                       Gaussian per epoch
-:class:`Shuffle`       each epoch, a uniform permutation cut into       replace-one      ``shuffled_event`` (no
-                       batches of ``batch_size`` (the last smaller)                      amplification)
-=====================  ===============================================  ===============  ===========================
+* :class:`Poisson` (default): each record independently with probability q; add/remove-one;
+  ``dpsgd_event(q, ν, T)``.
+* :class:`TruncatedPoisson`: Poisson, then a uniform ``max_batch_size`` of the batch if more
+  were drawn; add/remove-one; ``TruncatedPoissonSampled``.
+* :class:`FixedSize`: ``batch_size`` uniform records without (or with) replacement;
+  replace-one; ``SampledWithoutReplacement`` (``SampledWithReplacement``).
+* :class:`BallsInBins`: each pass (epoch), each record in one uniformly random of the
+  ``steps_per_pass`` batches; replace-one; for now no amplification (one Gaussian per pass).
+* :class:`Shuffle`: each pass, a uniform permutation cut into batches of ``batch_size`` (the
+  last one smaller); replace-one; ``shuffled_event`` (no amplification).
 
 The noise multiplier ν is always relative to the clip norm C on the clipped sum (as in
 Opacus and dp_accounting); under replace-one neighbours the sum moves by 2C, so the
@@ -28,7 +25,7 @@ place where a scheme becomes an event: the trainer's ledger, its reports and its
 ``target_epsilon`` calibration all call it.
 
 A size left ``None`` is taken from :class:`~jaxdp.training.DPSGDMechanism`'s ``batch_size``
-``b`` (rate b/N, b records, or ⌈N/b⌉ batches per epoch).
+``b`` (q = b/N, b records, or ⌈N/b⌉ steps per pass).
 
 Examples:
   >>> import jax
@@ -74,10 +71,9 @@ _ONCE = ("each record in exactly one step per epoch: the Gaussian mechanism of m
          "composed over the epochs started")
 
 
-def _check_rate(rate) -> None:
-    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))
-                             or not 0.0 < float(rate) <= 1.0):
-        raise ValueError(f"rate must be a number in (0, 1]; got {rate!r}.")
+def _check_q(q) -> None:
+    if q is not None and (isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 < float(q) <= 1.0):
+        raise ValueError(f"q must be a number in (0, 1]; got {q!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,95 +157,95 @@ def _need(name: str, value, batch_size, derive):
 
 @dataclasses.dataclass(frozen=True)
 class Poisson(Sampler):
-    r"""Poisson sampling: every record independently with probability ``rate`` (DP-SGD's default).
+    r"""Poisson sampling: every record independently with probability ``q`` (DP-SGD's default).
 
     Bit-identical to :class:`~jaxdp.training.DPSGDMechanism`'s sampling without a sampler
     (:func:`~jaxdp.training.poisson_sample` on a key split off every step). Event:
-    ``dpsgd_event(rate, ν, T)`` (add/remove-one, Abadi et al. 2016; Mironov et al. 2019).
+    ``dpsgd_event(q, ν, T)`` (add/remove-one, Abadi et al. 2016; Mironov et al. 2019).
 
     Attributes:
-      rate: q in (0, 1]; ``None``: ``batch_size / N``.
+      q: the sampling rate in (0, 1]; ``None``: ``batch_size / N``.
     """
 
     name: ClassVar[str] = "poisson"
-    rate: float | None = None
+    q: float | None = None
 
     def __post_init__(self):
-        _check_rate(self.rate)
+        _check_q(self.q)
 
     def _bind(self, n, batch_size):
-        return dataclasses.replace(self, rate=float(_need("rate", self.rate, batch_size, lambda b: b / n)),
+        return dataclasses.replace(self, q=float(_need("q", self.q, batch_size, lambda b: b / n)),
                                    num_records=n)
 
     @property
     def steps_per_pass(self):
-        return math.ceil(1.0 / self.rate - 1e-9)
+        return math.ceil(1.0 / self.q - 1e-9)
 
     @property
     def capacity(self):
         self._need_bound()
-        return batch_capacity(self.num_records, self.rate, overflow=OVERFLOW)
+        return batch_capacity(self.num_records, self.q, overflow=OVERFLOW)
 
     @property
     def expected_batch_size(self):
-        return self.rate * self.num_records
+        return self.q * self.num_records
 
     def sample(self, key, step):
         key, k = jax.random.split(key)
-        indices, size = poisson_sample(k, self.num_records, self.rate)
+        indices, size = poisson_sample(k, self.num_records, self.q)
         return key, indices, size
 
     def event(self, noise_multiplier, num_steps, dataset_size=None):
-        return dpsgd_event(self.rate, noise_multiplier, num_steps)
+        return dpsgd_event(self.q, noise_multiplier, num_steps)
 
     def describe(self):
-        return f"Poisson sampling q={self.rate:.6g}, add/remove neighbours: sampled-Gaussian RDP"
+        return f"Poisson sampling q={self.q:.6g}, add/remove neighbours: sampled-Gaussian RDP"
 
 
 @dataclasses.dataclass(frozen=True)
 class TruncatedPoisson(Sampler):
-    r"""Poisson sampling at ``rate``, cut to a uniformly random ``max_batch`` records when more are drawn.
+    r"""Poisson sampling at rate ``q``, cut to a uniformly random ``max_batch_size`` records when more are drawn.
 
     The records beyond the cap are dropped (the scheme's own choice; nothing else is).
     Event: ``TruncatedPoissonSampled(q, N, B, Gaussian(ν))`` (add/remove-one; see
-    :func:`jaxdp.accounting.truncated_poisson_rdp`). The batch is at most ``max_batch``
+    :func:`jaxdp.accounting.truncated_poisson_rdp`). The batch is at most ``max_batch_size``
     rows: one chunk, never an overflow.
 
     Attributes:
-      max_batch: B ≥ 1.
-      rate: q in (0, 1]; ``None``: ``batch_size / N``.
+      max_batch_size: B ≥ 1.
+      q: the sampling rate in (0, 1]; ``None``: ``batch_size / N``.
     """
 
     name: ClassVar[str] = "truncated-poisson"
-    max_batch: int = None  # type: ignore[assignment]
-    rate: float | None = None
+    max_batch_size: int = None  # type: ignore[assignment]  (required: checked in __post_init__)
+    q: float | None = None
 
     def __post_init__(self):
-        check_count("max_batch", self.max_batch)
-        _check_rate(self.rate)
+        check_count("max_batch_size", self.max_batch_size)
+        _check_q(self.q)
 
     def _bind(self, n, batch_size):
-        return dataclasses.replace(self, rate=float(_need("rate", self.rate, batch_size, lambda b: b / n)),
+        return dataclasses.replace(self, q=float(_need("q", self.q, batch_size, lambda b: b / n)),
                                    num_records=n)
 
     @property
     def steps_per_pass(self):
-        return math.ceil(1.0 / self.rate - 1e-9)
+        return math.ceil(1.0 / self.q - 1e-9)
 
     @property
     def capacity(self):
         self._need_bound()
-        return min(int(self.max_batch), self.num_records)
+        return min(int(self.max_batch_size), self.num_records)
 
     @property
     def expected_batch_size(self):
-        return self.rate * self.num_records
+        return self.q * self.num_records
 
     def sample(self, key, step):
         n, cap = self.num_records, self.capacity
         key, k = jax.random.split(key)
         k_mask, k_keep = jax.random.split(k)
-        indices, size = poisson_sample(k_mask, n, self.rate)
+        indices, size = poisson_sample(k_mask, n, self.q)
         # A uniformly random order of the sampled records (the restriction of a uniform
         # permutation's distinct ranks to them), then its first B: a uniform B-subset.
         rank = jax.random.permutation(k_keep, n).astype(jnp.int32)
@@ -259,11 +255,11 @@ class TruncatedPoisson(Sampler):
 
     def event(self, noise_multiplier, num_steps, dataset_size=None):
         n = self._n(dataset_size)
-        return SelfComposed(TruncatedPoissonSampled(self.rate, n, self.max_batch, Gaussian(noise_multiplier)),
+        return SelfComposed(TruncatedPoissonSampled(self.q, n, self.max_batch_size, Gaussian(noise_multiplier)),
                             num_steps)
 
     def describe(self):
-        return (f"truncated Poisson sampling q={self.rate:.6g} capped at {self.max_batch} records, add/remove "
+        return (f"truncated Poisson sampling q={self.q:.6g} capped at {self.max_batch_size} records, add/remove "
                 "neighbours: truncated-Poisson RDP")
 
 
@@ -338,7 +334,7 @@ def _epoch_key(key, step, steps_per_pass):
 
 @dataclasses.dataclass(frozen=True)
 class BallsInBins(Sampler):
-    r"""Each epoch, every record goes to one uniformly random of ``batches_per_epoch`` batches, independently.
+    r"""Each epoch, every record goes to one uniformly random of ``steps_per_pass`` batches, independently.
 
     Batches have Binomial(N, 1/t) sizes (padded, overflow in a second chunk, nothing
     dropped); the assignment of an epoch comes from the sampling key folded with the epoch
@@ -349,42 +345,38 @@ class BallsInBins(Sampler):
     Shenfeld 2025; Chua et al., AISTATS 2025) would amplify it.
 
     Attributes:
-      batches_per_epoch: t ≥ 1; ``None``: ⌈N/b⌉.
+      steps_per_pass: t ≥ 1; ``None``: ⌈N/b⌉.
     """
 
     name: ClassVar[str] = "balls-in-bins"
     relation: ClassVar[str] = "replace_one"
-    batches_per_epoch: int | None = None
+    steps_per_pass: int | None = None
 
     def __post_init__(self):
-        if self.batches_per_epoch is not None:
-            check_count("batches_per_epoch", self.batches_per_epoch)
+        if self.steps_per_pass is not None:
+            check_count("steps_per_pass", self.steps_per_pass)
 
     def _bind(self, n, batch_size):
-        t = int(_need("batches_per_epoch", self.batches_per_epoch, batch_size, lambda b: math.ceil(n / b)))
-        return dataclasses.replace(self, batches_per_epoch=t, num_records=n)
-
-    @property
-    def steps_per_pass(self):
-        return int(self.batches_per_epoch)
+        t = int(_need("steps_per_pass", self.steps_per_pass, batch_size, lambda b: math.ceil(n / b)))
+        return dataclasses.replace(self, steps_per_pass=t, num_records=n)
 
     @property
     def capacity(self):
         self._need_bound()
-        return batch_capacity(self.num_records, 1.0 / self.batches_per_epoch, overflow=OVERFLOW)
+        return batch_capacity(self.num_records, 1.0 / self.steps_per_pass, overflow=OVERFLOW)
 
     @property
     def expected_batch_size(self):
-        return self.num_records / self.batches_per_epoch
+        return self.num_records / self.steps_per_pass
 
     def sample(self, key, step):
-        ek, j = _epoch_key(key, step, self.batches_per_epoch)
-        bins = jax.random.randint(ek, (self.num_records,), 0, self.batches_per_epoch, dtype=jnp.int32)
+        ek, j = _epoch_key(key, step, self.steps_per_pass)
+        bins = jax.random.randint(ek, (self.num_records,), 0, self.steps_per_pass, dtype=jnp.int32)
         indices, size = _compact(bins == j)
         return key, indices, size
 
     def event(self, noise_multiplier, num_steps, dataset_size=None):
-        epochs = -(-int(num_steps) // int(self.batches_per_epoch))
+        epochs = -(-int(num_steps) // int(self.steps_per_pass))
         # LEAD (s11-alloc): replace the next line by the random-allocation event (k = 1 of t
         # steps per epoch, composed over `epochs`) once jaxdp/accounting/_allocation.py is merged.
         return shuffled_event(noise_multiplier, epochs)
@@ -392,7 +384,7 @@ class BallsInBins(Sampler):
     note: ClassVar[str] = NO_AMPLIFICATION.format(what="balls-in-bins batches")
 
     def describe(self):
-        return (f"balls-in-bins batches, {self.batches_per_epoch} per epoch of {self.num_records} records, "
+        return (f"balls-in-bins batches, {self.steps_per_pass} per epoch of {self.num_records} records, "
                 f"replace-one neighbours: {_ONCE}")
 
 

@@ -35,7 +35,7 @@ DRAWS = 4000
 
 SAMPLERS = {
     "poisson": S.Poisson(0.2),
-    "truncated-poisson": S.TruncatedPoisson(4, rate=0.2),
+    "truncated-poisson": S.TruncatedPoisson(4, q=0.2),
     "fixed-size": S.FixedSize(7),
     "fixed-size-replace": S.FixedSize(7, replace=True),
     "balls-in-bins": S.BallsInBins(4),
@@ -109,9 +109,9 @@ def test_every_record_exactly_once_per_epoch(name):
 
 
 def test_samplers_validate_their_arguments():
-    with pytest.raises(ValueError, match="rate must be a number in"):
+    with pytest.raises(ValueError, match="q must be a number in"):
         S.Poisson(1.5)
-    with pytest.raises(ValueError, match="max_batch must be an integer >= 1"):
+    with pytest.raises(ValueError, match="max_batch_size must be an integer >= 1"):
         S.TruncatedPoisson(0)
     with pytest.raises(ValueError, match="batch_size must be <= the number of training examples"):
         S.Shuffle(40).bind(N)
