@@ -246,3 +246,25 @@ def test_run_reaches_target_reports_its_scheme_and_resumes_bit_identically(name,
     if name != "poisson":
         assert name in rep.analysis and led.sampler == bound.spec()
     assert (whole.test_accuracy or 0) > 0.1  # it trained
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sampler", "shuffle"], "--sampler shuffle needs --algorithm dpsgd"),
+    (["--algorithm", "dpsgd", "--sampler", "truncated-poisson"], "needs --max-batch-size"),
+    (["--algorithm", "dpsgd", "--max-batch-size", "10"], "needs --max-batch-size"),
+    (["--algorithm", "dpsgd", "--sampler", "truncated-poisson", "--max-batch", "0"], "--max-batch-size must be"),
+    (["--algorithm", "dpsgd", "--sampler", "cyclic"], "invalid choice: 'cyclic'"),
+])
+def test_command_line_sampler_errors_are_one_line(argv, message, capsys):
+    from jaxdp.cli.main import main
+
+    if "invalid choice" in message:  # argparse's own usage error, exit status 2
+        with pytest.raises(SystemExit) as exc:
+            main(["train", "--smoke", "--plot", "none", *argv])
+        assert exc.value.code == 2
+    else:
+        assert main(["train", "--smoke", "--plot", "none", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1]
+    if "invalid choice" not in message:
+        assert err == [err[-1]] and err[-1].startswith("jaxdp: error: ")
