@@ -49,7 +49,7 @@ _OVERFLOW = 1e-2
 
 @frozen_config
 class DPSGDMechanism:
-    r"""DP-SGD with true Poisson sampling, for any Flax NNX model (Abadi et al. 2016).
+    r"""DP-SGD with true Poisson sampling (or another ``sampler``), for any Flax NNX model (Abadi et al. 2016).
 
     Every step samples each record independently with probability :math:`q = b/N`
     (``batch_size`` is the expected batch size :math:`b`), clips the per-example gradients at
@@ -280,7 +280,7 @@ def _own_size(sampler: Sampler):
 
 
 def _bind_sampler(sampler: Sampler | None, n: int, batch_size: int):
-    """``(bound sampler, q, steps per pass, capacity, divisor)``; Poisson from ``batch_size`` exactly as before samplers."""
+    """``(bound sampler, q, steps per pass, capacity, divisor)``; Poisson from ``batch_size`` as before samplers."""
     if sampler is None or (isinstance(sampler, Poisson) and sampler.q is None):
         q = batch_size / n
         return (Poisson(q).bind(n), q, math.ceil(n / batch_size), batch_capacity(n, q, overflow=_OVERFLOW),

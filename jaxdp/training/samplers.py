@@ -82,7 +82,8 @@ class Sampler:
 
     A bound sampler (``num_records`` set) has static ``steps_per_pass``, ``capacity`` (rows
     of one padded chunk) and ``expected_batch_size`` (DP-SGD divides the noisy sum by it;
-    public), and a jittable :meth:`sample`.
+    public), and a jittable :meth:`sample`. ``relation`` is the neighbouring relation of its
+    :meth:`event`; ``note`` the line a report leads with when no amplification is certified.
     """
 
     name: ClassVar[str] = ""
