@@ -268,3 +268,19 @@ def test_command_line_sampler_errors_are_one_line(argv, message, capsys):
     assert message in err[-1]
     if "invalid choice" not in message:
         assert err == [err[-1]] and err[-1].startswith("jaxdp: error: ")
+
+
+def test_old_ledgers_read_as_poisson_and_per_instance_refuses_other_schemes():
+    from jaxdp.training import CheckpointNorms, DPSGDLedger, per_point_privacy
+
+    led = DPSGDLedger(analysis="dpsgd", reason="", q=0.1, noise_multiplier=1.0, clip_norm=1.0, learning_rate=0.1,
+                      batch_size=10, records=100, passes=1, steps_per_pass=10, total_steps=10, steps_done=10,
+                      capacity=20, delta=1e-5, order_seed=0, fixed_noise_seed=False, max_grad_norm=0.0)
+    old = {k: v for k, v in led.to_json().items() if k != "sampler"}  # a ledger written before samplers
+    assert DPSGDLedger.from_json(old) == led and repr(led.event()) == repr(A.dpsgd_event(0.1, 1.0, 10))
+    shuffled = led._replace(sampler=S.Shuffle(10).bind(100).spec())
+    assert DPSGDLedger.from_json(shuffled.to_json()) == shuffled
+    assert repr(shuffled.event()) == repr(A.shuffled_event(1.0, 1))
+    norms = CheckpointNorms(np.array([0]), np.ones((100, 1)), shuffled)
+    with pytest.raises(ValueError, match="per-instance accounting covers Poisson sampling only"):
+        per_point_privacy(norms)
