@@ -121,6 +121,7 @@ _LOCAL_NAMES = {
     "checkpoint_key",  # RunOptions: the HMAC key of the checkpoints
     "devices", "mesh",  # data parallelism: where the batch is split (jax devices or a Mesh)
     "wrt", "trainable",  # nnx filters of the trained parameters (the others are frozen, public)
+    "sampler",  # DPSGDMechanism: the batch scheme (jaxdp.training.samplers)
 }
 
 
