@@ -100,6 +100,7 @@ from ._sampling import TruncatedPoissonSampled as TruncatedPoissonSampled
 from ._sampling import sampled_with_replacement_rdp as sampled_with_replacement_rdp
 from ._sampling import sampled_without_replacement_rdp as sampled_without_replacement_rdp
 from ._sampling import shuffled_event as shuffled_event
+from ._shuffle_lower import shuffled_lower_epsilon as shuffled_lower_epsilon
 from ._sampling import truncated_poisson_rdp as truncated_poisson_rdp
 from ._shifted import pnsgd_shifted_gdp as pnsgd_shifted_gdp
 from ._shifted import pnsgd_shifted_rdp as pnsgd_shifted_rdp
@@ -126,6 +127,7 @@ __all__ = [
     "RELATIONS",
     "dpsgd_event",
     "shuffled_event",
+    "shuffled_lower_epsilon",
     "relation_of",
     # Accountants of events: ε, δ and the RDP curve, by accountant="rdp" (default) or "pld".
     "epsilon",
