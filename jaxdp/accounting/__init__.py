@@ -77,6 +77,9 @@ from ._mechanisms import gaussian_mechanism as gaussian_mechanism
 from ._mechanisms import gaussian_mechanism_delta as gaussian_mechanism_delta
 from ._mechanisms import gaussian_mechanism_epsilon as gaussian_mechanism_epsilon
 from ._mechanisms import laplace_mechanism as laplace_mechanism
+from ._parity import ZCDP as ZCDP
+from ._parity import RandomizedResponse as RandomizedResponse
+from ._parity import SingleEpochTreeAggregation as SingleEpochTreeAggregation
 from ._per_instance import PER_INSTANCE_ORDERS as PER_INSTANCE_ORDERS
 from ._per_instance import per_instance_composition_orders as per_instance_composition_orders
 from ._per_instance import per_instance_dpsgd_privacy as per_instance_dpsgd_privacy
@@ -120,6 +123,9 @@ __all__ = [
     "SampledWithoutReplacement",
     "SampledWithReplacement",
     "TruncatedPoissonSampled",
+    "RandomizedResponse",
+    "ZCDP",
+    "SingleEpochTreeAggregation",
     "SelfComposed",
     "Composed",
     "PNSGD",
