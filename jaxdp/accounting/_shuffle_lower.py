@@ -67,15 +67,21 @@ _BISECT = 64
 # Exponentiation by squaring of the spectrum: passes up to 2^_POW_BITS - 1.
 _POW_BITS = 24
 _U = 2.0**-52
-# Losses are capped here (a bin one side misses); ε above it is not searched.
-_EPS_MAX = 1e3
+# ε is searched up to here (e^ε stays finite): a larger ε is reported as this value, still a
+# lower bound.
+_EPS_MAX = 500.0
 
 
-def _log_cdf(x):
-    """log Φ(x), accurate where Φ(x) is near 1 too (log1p(-Φ̄(x)) for x > 0)."""
-    x_pos = jnp.where(x > 0, x, 0.0)
-    upper = jnp.log1p(-jnp.exp(log_ndtr(-x_pos)))
-    return jnp.where(x > 0, upper, log_ndtr(jnp.where(x > 0, 0.0, x)))
+def _log_neg_log_cdf(x):
+    """log(-log Φ(x)), accurate in both tails (F near 1: -log Φ(x) ≈ Φ̄(x), kept in log space)."""
+    x_pos = jnp.where(x > 0, x, 1.0)
+    log_u = log_ndtr(-x_pos)  # log Φ̄(x), finite however far out (Mills series below -37)
+    u = jnp.exp(log_u)
+    # -log1p(-u)/u = 1 + u/2 + ...: log of it, 0 where u underflows.
+    ratio = jnp.where(u > 1e-300, jnp.log(-jnp.log1p(-u) / jnp.where(u > 1e-300, u, 1.0)), 0.0)
+    upper = log_u + ratio
+    lower = jnp.log(-log_ndtr(jnp.where(x > 0, -1.0, x)))
+    return jnp.where(x > 0, upper, lower)
 
 
 def _log_sub(a, b):
@@ -90,19 +96,27 @@ def _binned_pair(m, t):
     lo = med - 7.0
     hi = jnp.maximum(med, m) + 10.0
     x = lo + (hi - lo) * jnp.arange(_BINS + 1, dtype=jnp.float64) / _BINS
-    lc = _log_cdf(x)
-    lc_shift = _log_cdf(x - m)
-    log_fq = t * lc
-    log_fp = lc_shift + (t - 1.0) * lc
+    # Everything through l = log(-log F), exact where F is near 1 (the far upper tail, where
+    # the pair's largest losses are): log F = -e^l, log S = log(1 - F) = log(-expm1(-e^l)).
+    nl = _log_neg_log_cdf(x)
+    nl_shift = _log_neg_log_cdf(x - m)
+    log_t1 = jnp.log(jnp.maximum(t - 1.0, 1.0))
+    l_q = jnp.log(t) + nl
+    l_p = jnp.where(t > 1.0, jnp.logaddexp(nl_shift, log_t1 + nl), nl_shift)
 
-    def masses(log_f):
-        log_s = jnp.log(-jnp.expm1(jnp.minimum(log_f, -1e-300)))  # log survival
+    def masses(l):
+        y = jnp.exp(l)
+        log_f = -y
+        # log(1 - e^{-y}): log y - y/2 + ... for small y (no underflow), else direct.
+        small = l < -20.0
+        log_s = jnp.where(small, l - 0.5 * jnp.where(small, y, 0.0),
+                          jnp.log(-jnp.expm1(-jnp.where(small, 1.0, y))))
         by_cdf = _log_sub(log_f[1:], log_f[:-1])
         by_sf = _log_sub(log_s[:-1], log_s[1:])
         inner = jnp.where(log_f[1:] < math.log(0.5), by_cdf, by_sf)
         return jnp.concatenate([log_f[:1], inner, log_s[-1:]])
 
-    return masses(log_fp), masses(log_fq)
+    return masses(l_p), masses(l_q)
 
 
 def _delta_of(eps, losses, log_w):
@@ -224,9 +238,11 @@ def _one(sigma, t, passes, target):
     out = []
     for log_a, log_b in ((log_p, log_q), (log_q, log_p)):
         has_a, has_b = log_a > -jnp.inf, log_b > -jnp.inf
-        # A bin the other side misses counts fully at every ε (loss "+∞"); an empty one not at all.
+        # Where the other side's mass underflows (below the smallest double, e^-744.4), its
+        # loss is at least log_a + 744 (a lower value is safe); an empty bin counts nowhere.
         diff = jnp.where(has_a & has_b, log_a, 0.0) - jnp.where(has_a & has_b, log_b, 0.0)
-        losses = jnp.where(has_a, jnp.where(has_b, diff, _EPS_MAX), -_EPS_MAX)
+        floor = jnp.where(has_a, log_a, 0.0) + 744.0
+        losses = jnp.where(has_a, jnp.where(has_b, diff, floor), -_EPS_MAX)
         out.append(jnp.where(passes == 1, _single(losses, log_a, target), _multi(losses, log_a, log_b, passes, target)))
     return jnp.maximum(out[0], out[1])
 

@@ -162,6 +162,17 @@ def test_gradient_matches_differences(passes):
     assert g == pytest.approx(fd, rel=1e-6 if passes == 1 else 0.03)
 
 
+def test_extremes_stay_finite_and_below_the_upper_bound():
+    """Tiny σ: the far tails (losses in the hundreds) are kept in log space; ε is searched up to
+    500 (a larger ε is reported as 500, still a lower bound). Huge T and tiny δ: finite."""
+    assert float(A.shuffled_lower_epsilon(0.05, 1000, 1, 1e-5)) == 500.0  # true ε ≈ 970 (shuffled_event)
+    assert float(A.shuffled_lower_epsilon(0.05, 10, 7, 1e-5)) == 500.0
+    for args in ((0.1, 1000, 1, 1e-5), (1.0, 10**7, 1, 1e-5), (1.0, 100, 3, 1e-10), (0.2, 2, 2, 0.5)):
+        lo = float(A.shuffled_lower_epsilon(*args))
+        hi = float(A.epsilon(A.shuffled_event(args[0], args[2]), args[3], accountant="pld", grid_size=2**12))
+        assert 0.0 <= lo <= hi, args
+
+
 @pytest.mark.parametrize("kwargs,name", [
     (dict(noise_multiplier=0.0), "noise_multiplier"), (dict(num_batches=0), "num_batches"),
     (dict(num_batches=2.5), "num_batches"), (dict(passes=0), "passes"), (dict(delta=1.0), "delta")])
