@@ -145,7 +145,9 @@ def test_batches_broadcast_and_transformations_agree():
     out = A.shuffled_lower_epsilon(sig[:, None], jnp.array([10.0, 100.0]), 2, 1e-5)
     assert out.shape == (3, 2) and out.dtype == jnp.float64
     one = float(A.shuffled_lower_epsilon(1.3, 100, 2, 1e-5))
-    assert float(out[1, 1]) == pytest.approx(one, rel=1e-12)
+    # Several passes: ε is read off FFT-composed masses, whose last bits depend on the compiled
+    # program (batch or scalar): ~1e-16 absolute in δ ~ 1e-5 moves ε by ~1e-11 relative.
+    assert float(out[1, 1]) == pytest.approx(one, rel=1e-9)
     f = lambda s: A.shuffled_lower_epsilon(s, 100, 1, 1e-5)  # noqa: E731
     assert float(jax.jit(f)(1.3)) == pytest.approx(float(f(1.3)), rel=1e-12)
     assert np.allclose(jax.vmap(f)(sig), [float(f(float(s))) for s in sig], rtol=1e-12)
