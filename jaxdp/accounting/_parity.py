@@ -50,6 +50,12 @@ class RandomizedResponse(Event):
       noise_parameter: p in [0, 1] (a leaf; p = 0 releases the bucket, p = 1 nothing).
       num_buckets: k ≥ 1 (a leaf; a whole number).
       relation: ``"replace_one"`` (the only one covered; static).
+
+    Examples:
+      >>> import jaxdp
+      >>> A = jaxdp.accounting
+      >>> round(float(A.epsilon(A.SelfComposed(A.RandomizedResponse(0.3, 5), 10), 1e-5)), 4)
+      25.3906
     """
 
     noise_parameter: Any
@@ -68,6 +74,11 @@ class ZCDP(Event):
       rho: ρ ≥ 0 (a leaf).
       xi: ξ ≥ 0 (a leaf; default 0, ρ-zCDP).
       relation: the relation the guarantee holds under (static; default ``"add_remove"``).
+
+    Examples:
+      >>> import jaxdp
+      >>> round(float(jaxdp.accounting.epsilon(jaxdp.accounting.ZCDP(0.1), 1e-5)), 4)
+      1.9142
     """
 
     rho: Any
@@ -88,6 +99,12 @@ class SingleEpochTreeAggregation(Event):
       step_counts: the steps (leaves) of each tree, a tuple of whole numbers ≥ 0 (static;
         a single int for one tree).
       relation: ``"add_remove"`` (default) or ``"replace_one"`` (static).
+
+    Examples:
+      >>> import jaxdp
+      >>> A = jaxdp.accounting
+      >>> round(float(A.epsilon(A.SingleEpochTreeAggregation(2.0, (1000,)), 1e-5)), 4)  # 10 nodes of σ = 2
+      8.0794
     """
 
     noise_multiplier: Any
