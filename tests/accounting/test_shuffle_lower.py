@@ -125,9 +125,9 @@ def test_never_above_the_certified_upper_bound():
     t = rng.integers(1, 2000, 12)
     e = rng.integers(1, 6, 12)
     lo = np.asarray(A.shuffled_lower_epsilon(sig, t, e, 1e-5))
-    for s, ee, x in zip(sig, e, lo):
-        hi = float(A.epsilon(A.shuffled_event(float(s), int(ee)), 1e-5, accountant="pld", grid_size=2**12))
-        assert 0.0 <= x <= hi
+    # Any certified upper bound of the scheme will do; the RDP accountant's compiles fastest.
+    hi = np.asarray(A.epsilon(A.shuffled_event(sig, e.astype(float)), 1e-5))
+    assert np.all((0.0 <= lo) & (lo <= hi))
 
 
 def test_exceeds_the_poisson_epsilon_reported_for_a_shuffled_run():
@@ -182,5 +182,9 @@ def test_invalid_inputs_name_the_parameter(kwargs, name):
     args = dict(noise_multiplier=1.0, num_batches=10, passes=1, delta=1e-5) | kwargs
     with pytest.raises(ValueError, match=name):
         A.shuffled_lower_epsilon(**args)
-    bad = jax.jit(lambda v: A.shuffled_lower_epsilon(**(args | {name: v})))(jnp.asarray(kwargs[name], jnp.float64))
-    assert np.isnan(float(bad))
+    # Under jit: NaN (one compiled program for every case).
+    assert np.isnan(float(_JITTED(*(jnp.asarray(args[k], jnp.float64) for k in _ORDER))))
+
+
+_ORDER = ("noise_multiplier", "num_batches", "passes", "delta")
+_JITTED = jax.jit(A.shuffled_lower_epsilon)
