@@ -36,6 +36,10 @@ GLOSSARY = {
     "optimizer", "algorithm", "capacity", "overflow", "mask", "micro_batch_size",
     # truncated Poisson sampling (the cap on a batch; records beyond it are dropped)
     "max_batch_size",
+    # shuffling: batches (steps) per pass of a random permutation
+    "num_batches",
+    # dp_accounting parity events: randomized response, zCDP, tree aggregation
+    "noise_parameter", "num_buckets", "rho", "xi", "step_counts",
     # randomness: the public order and the secret noise key
     "key", "order_seed", "noise_seed", "seed", "checkpoint_key",
     # PLD accounting: static grid options

@@ -77,6 +77,9 @@ from ._mechanisms import gaussian_mechanism as gaussian_mechanism
 from ._mechanisms import gaussian_mechanism_delta as gaussian_mechanism_delta
 from ._mechanisms import gaussian_mechanism_epsilon as gaussian_mechanism_epsilon
 from ._mechanisms import laplace_mechanism as laplace_mechanism
+from ._parity import ZCDP as ZCDP
+from ._parity import RandomizedResponse as RandomizedResponse
+from ._parity import SingleEpochTreeAggregation as SingleEpochTreeAggregation
 from ._per_instance import PER_INSTANCE_ORDERS as PER_INSTANCE_ORDERS
 from ._per_instance import per_instance_composition_orders as per_instance_composition_orders
 from ._per_instance import per_instance_dpsgd_privacy as per_instance_dpsgd_privacy
@@ -100,6 +103,7 @@ from ._sampling import TruncatedPoissonSampled as TruncatedPoissonSampled
 from ._sampling import sampled_with_replacement_rdp as sampled_with_replacement_rdp
 from ._sampling import sampled_without_replacement_rdp as sampled_without_replacement_rdp
 from ._sampling import shuffled_event as shuffled_event
+from ._shuffle_lower import shuffled_lower_epsilon as shuffled_lower_epsilon
 from ._sampling import truncated_poisson_rdp as truncated_poisson_rdp
 from ._shifted import pnsgd_shifted_gdp as pnsgd_shifted_gdp
 from ._shifted import pnsgd_shifted_rdp as pnsgd_shifted_rdp
@@ -119,6 +123,9 @@ __all__ = [
     "SampledWithoutReplacement",
     "SampledWithReplacement",
     "TruncatedPoissonSampled",
+    "RandomizedResponse",
+    "ZCDP",
+    "SingleEpochTreeAggregation",
     "SelfComposed",
     "Composed",
     "PNSGD",
@@ -126,6 +133,7 @@ __all__ = [
     "RELATIONS",
     "dpsgd_event",
     "shuffled_event",
+    "shuffled_lower_epsilon",
     "relation_of",
     # Accountants of events: ε, δ and the RDP curve, by accountant="rdp" (default) or "pld".
     "epsilon",

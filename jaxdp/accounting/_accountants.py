@@ -32,7 +32,7 @@ import numpy as np
 from .. import _validate
 from .._numerics import f64, float64
 from .._program_cache import persistent
-from . import _pld, _sampling
+from . import _parity, _pld, _sampling
 from ._contraction import pnsgd_contraction_delta, step_contraction, stop_pnsgd_contraction_delta
 from ._conversion import rdp_to_delta, rdp_to_epsilon
 from ._dpsbcd import dpsbcd_rdp
@@ -112,6 +112,8 @@ def _rdp_compose(event: Event, orders: np.ndarray, path: str = "event", compose:
     if isinstance(event, _sampling.SAMPLING_EVENTS):  # fixed-size and truncated sampling (_sampling.py)
         _sampling.check_support(event, path)
         return _sampling.rdp_curve(event, orders) if compose else None
+    if isinstance(event, _parity.PARITY_EVENTS):  # randomized response, zCDP, tree aggregation (_parity.py)
+        return _parity.rdp_curve(event, orders) if compose else None
     if isinstance(event, Gaussian):
         return gaussian_rdp(orders, event.noise_multiplier) if compose else None
     if isinstance(event, Laplace):

@@ -165,6 +165,14 @@ CASES.update({
     "sampled_with_replacement_rdp": (lambda x: A.sampled_with_replacement_rdp(ORD, 1000, 10, x)[-1], 1.3),
     "truncated_poisson_rdp": (lambda x: A.truncated_poisson_rdp(ORD, 0.01, 1000, 20, x)[-1], 1.3),
     "shuffled_event": (lambda x: A.epsilon(A.shuffled_event(x, 3), 1e-5, orders=ORD), 1.3),
+    "shuffled_lower_epsilon": (lambda x: A.shuffled_lower_epsilon(x, 100, 1, 1e-5), 1.3),
+    # dp_accounting parity events (x: p = x/4 of randomized response, ρ = x/8, the tree's σ;
+    # powers of two: the user's own division runs in float32 with x64 off).
+    "RandomizedResponse": (lambda x: A.epsilon(A.SelfComposed(A.RandomizedResponse(x / 4.0, 3), 10), 1e-5,
+                                               orders=ORD), 1.3),
+    "ZCDP": (lambda x: A.epsilon(A.ZCDP(x / 8.0, 0.01), 1e-5, orders=ORD), 1.3),
+    "SingleEpochTreeAggregation": (lambda x: A.epsilon(A.SingleEpochTreeAggregation(x, (16, 5)), 1e-5, orders=ORD),
+                                   1.3),
     "dpsbcd_rdp": (lambda x: A.dpsbcd_rdp(ORD, (0.01, 0.02, 0.01), learning_rate=0.05, sensitivity=x,
                                           contraction=0.97, prox_lipschitz=1.0, num_records=12, batch_size=3)[-1], 1.3),
     "dpsbcd_rdp_per_batch": (lambda x: A.dpsbcd_rdp_per_batch(ORD, (0.01, 0.02, 0.01), learning_rate=0.05,
