@@ -23,6 +23,7 @@ from ..accounting import (
     dpsgd_event,
     epsilon,
     rdp_to_epsilon,
+    shuffled_lower_epsilon,
 )
 from ._report import PrivacyReport
 from .samplers import from_spec
@@ -149,11 +150,21 @@ def _sampler_report(ledger: DPSGDLedger, accountant: str) -> PrivacyReport:
             raise ValueError(f"accountant='pld' does not cover the {sampler.name} batch scheme's event; use "
                              "accountant='rdp'.") from None
         by = {f"dpsgd, {sampler.name} (PLD, upper bound)": np.full(n, eps_pld), **by}
-    # LEAD (s11-shuffle): for a Shuffle sampler, add the Chua et al. lower bound here as one more
-    # by-analysis entry (named "lower bound", never the reported epsilon).
     values = next(iter(by.values()))
+    note = sampler.note
+    passes = done // sampler.steps_per_pass if sampler.name == "shuffle" else 0
+    if passes > 0:
+        # What shuffling costs at least (Chua et al. 2024): a lower bound on every valid ε of
+        # the completed passes (the max-coordinate statistic does not depend on the batch
+        # sizes); shown beside the reported upper bound, never as the reported ε.
+        low = float(shuffled_lower_epsilon(ledger.noise_multiplier, sampler.steps_per_pass, passes, ledger.delta))
+        by[_SHUFFLE_LOWER] = np.full(n, low)
+        note = f"{note}; shuffling costs at least epsilon = {low:.4g} here ({_SHUFFLE_LOWER})"
     return PrivacyReport(f"{_DPSGD} ({sampler.name})", ledger.reason, ledger.delta, done, np.arange(1, n + 1),
-                         values, values, None, by, 0, True, bool(ledger.fixed_noise_seed), sampler.note)
+                         values, values, None, by, 0, True, bool(ledger.fixed_noise_seed), note)
+
+
+_SHUFFLE_LOWER = "lower bound, Chua et al. 2024"
 
 
 # ----------------------------------------------------------------------------------------

@@ -237,7 +237,12 @@ def test_run_reaches_target_reports_its_scheme_and_resumes_bit_identically(name,
     lines = rep.table().splitlines()
     assert lines[0].startswith("NOT PRIVATE")  # a fixed noise seed
     if name in ("shuffle", "balls-in-bins"):
-        assert lines[1].endswith("no amplification is certified; ε below is the bound without amplification")
+        assert "no amplification is certified; ε below is the bound without amplification" in lines[1]
+        if name == "shuffle":  # and what shuffling costs at least (Chua et al. 2024), below the bound
+            low = rep.by_analysis["lower bound, Chua et al. 2024"][0]
+            assert 0 < low < eps
+            assert float(A.shuffled_lower_epsilon(nu, bound.steps_per_pass, 2, 1e-5)) == low
+            assert lines[1].endswith(f"shuffling costs at least epsilon = {low:.4g} here (lower bound, Chua et al. 2024)")
         assert lines[1].startswith({"shuffle": "shuffled batches", "balls-in-bins": "balls-in-bins batches"}[name])
         assert "Poisson" not in rep.table()
         assert lines[2].startswith(f"epsilon = {eps:.4g}")
