@@ -415,7 +415,8 @@ def epsilon(event: Event, delta, *, orders=DEFAULT_ORDERS, accountant: str = "rd
         (default :data:`PLD_TAIL_BOUND` = 1e-6, used as min(tail_bound, 1e-4·δ)); the
         mass actually outside is certified and added to δ.
       estimate: ``"pld"`` only: ``"upper"`` (default, a certified upper bound on ε) or
-        ``"lower"`` (a certified lower bound, privacy buckets rounded down).
+        ``"lower"`` (a certified lower bound from a dominated discrete pair: merged buckets
+        for Gaussian and Poisson-sampled Gaussian mechanisms, buckets rounded down otherwise).
       fallback: ``"pld"`` only: ``"rdp"`` (default; where the grid cannot certify δ, the
         RDP accountant's ε, eagerly with a ``UserWarning``) or ``"none"`` (+inf there,
         eagerly a ``ValueError``).
