@@ -114,3 +114,20 @@ def test_lower_dpsgd_table_below_dp_accounting_and_half_the_upper():
     # Issue 27's acceptance: lower ≥ 0.5 × upper at the default grid on its five configurations
     # (measured 0.66-1.00; benchmarks/pld.py prints the table).
     _check_table(TABLE, A.PLD_GRID_SIZE, [0.5] * len(TABLE))
+
+
+@pytest.mark.parametrize("sigma", [0.8786, 1.0244])
+def test_lower_bound_below_dp_accountings_pessimistic_pld_where_main_overstated_it(sigma):
+    """Session 11 found the rounded-down lower bound at 1.78 (σ = 0.8786) and 0.958 (σ = 1.0244)
+    for q = 1e-3, 1000 steps, δ = 1e-6, where the truth is about 0.29 and 0.18: a "lower bound"
+    above the upper. The merged-bucket lower bound stays below dp_accounting's pessimistic PLD
+    (an upper bound on the true ε) and below jaxdp's own upper bound."""
+    dpa = pytest.importorskip("dp_accounting")
+    from dp_accounting.pld import pld_privacy_accountant
+
+    event = A.dpsgd_event(1e-3, sigma, 1000)
+    bracket = A.pld_bracket(event, 1e-6)
+    acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
+    acc.compose(dpa.PoissonSampledDpEvent(1e-3, dpa.GaussianDpEvent(sigma)), 1000)
+    assert float(bracket.lower) <= acc.get_epsilon(1e-6)
+    assert float(bracket.lower) <= float(bracket.upper)
