@@ -413,3 +413,22 @@ def test_unknown_layer_still_per_layer(per_layer_calls, fresh_warnings):
     x, y = _data(4, (3, 6), seed=5)
     _check(model, x, y, fast=False)
     assert set(per_layer_calls) == {"ScaleShift"}
+
+
+class _LoraFlat(nnx.Module):
+    def __init__(self, rngs):
+        self.body = nnx.LoRALinear(7, 5, lora_rank=3, lora_param_dtype=jnp.float64, rngs=rngs, **F64)
+        self.ln = nnx.LayerNorm(5, rngs=rngs, **F64)
+        self.head = nnx.Linear(5, 1, rngs=rngs, **F64)
+
+    def __call__(self, x):
+        return self.head(self.ln(jnp.tanh(self.body(x))))
+
+
+def test_lora_and_layer_norm_on_flat_inputs(per_layer_calls):
+    """(b, d) inputs (one position per example: the norms are products of norms)."""
+    model = _perturb_norms(_perturb_lora(_LoraFlat(nnx.Rngs(3)), 3), 3)
+    x, y = _data(5, (7,), seed=11)
+    for wrt in (nnx.LoRAParam, nnx.Param):
+        _check(model, x, y, wrt=wrt)
+    assert per_layer_calls == []
