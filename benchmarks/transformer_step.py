@@ -132,7 +132,7 @@ def _gflop(jitted, args):
 
 
 def work_split(model, x, y):
-    """XLA's flops of the batch's gradient, of ``clipped_grad_sum``, and of its norms alone.
+    """XLA's flops of the batch's gradient, of ``clipped_grad_sum``, of its norms alone; the noise draw's cost.
 
     Unlike times, flop counts do not move with the load. The norms-only figure is the
     clipped sum with each layer's sum replaced by zeros (the δ's, norms and factors are
@@ -165,6 +165,12 @@ def work_split(model, x, y):
     print(f"  work at batch {x.shape[0]} (XLA flops): gradient {g:.3f} GFLOP; clipped_grad_sum {c:.3f} GFLOP "
           f"({c / g:.2f}x, {c - g:.3f} more); its norms without the sums {n:.3f} GFLOP (the sums: "
           f"{c - n:.3f})", flush=True)
+    # The noise: one normal draw per trainable parameter and step, whatever the batch.
+    size = sum(v.size for v in jax.tree.leaves(params))
+    draw = jax.jit(lambda k: jax.random.normal(k, (size,), jnp.float32))
+    t, c = _time(draw, (jax.random.key(0),), 5, 2)
+    print(f"  the noise of a step ({size / 1e6:.2f} M float32 normals): {_gflop(draw, (jax.random.key(0),)):.3f} GFLOP, "
+          f"{1e3 * t:.1f} ms wall, {1e3 * c:.1f} ms CPU", flush=True)
 
 
 def _device_peak_mb():
