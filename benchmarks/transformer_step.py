@@ -156,8 +156,10 @@ def work_split(model, x, y):
 
     g, c = _gflop(jax.jit(grad), (params,)), _gflop(jax.jit(clipped), (params,))
     saved = _ghost._layer_grad_sum, _ghost._closed_grad_sum
-    _ghost._layer_grad_sum = lambda rec, d, w, pe=None: {k: jnp.zeros_like(v) for k, v in rec["recorder"].params.items()}
-    _ghost._closed_grad_sum = lambda rec, parts, w: {k: jnp.zeros_like(v) for k, v in rec["recorder"].params.items()}
+    def zeros(rec, *_):
+        return {k: jnp.zeros_like(v) for k, v in rec["recorder"].params.items()}
+
+    _ghost._layer_grad_sum, _ghost._closed_grad_sum = zeros, zeros
     try:
         n = _gflop(jax.jit(lambda p: clipped(p)), (params,))
     finally:
@@ -169,8 +171,8 @@ def work_split(model, x, y):
     size = sum(v.size for v in jax.tree.leaves(params))
     draw = jax.jit(lambda k: jax.random.normal(k, (size,), jnp.float32))
     t, c = _time(draw, (jax.random.key(0),), 5, 2)
-    print(f"  the noise of a step ({size / 1e6:.2f} M float32 normals): {_gflop(draw, (jax.random.key(0),)):.3f} GFLOP, "
-          f"{1e3 * t:.1f} ms wall, {1e3 * c:.1f} ms CPU", flush=True)
+    print(f"  the noise of a step ({size / 1e6:.2f} M float32 normals): {_gflop(draw, (jax.random.key(0),)):.3f} "
+          f"GFLOP, {1e3 * t:.1f} ms wall, {1e3 * c:.1f} ms CPU", flush=True)
 
 
 def _device_peak_mb():
@@ -362,8 +364,9 @@ def compare_trees(which, other, rounds, repeats, inner, precision=None):
                 ms.append(dp["ms"])
                 cpu.append(dp["cpu_ms"])
                 mem.append(dp["planned_mb"] / base["planned_mb"])
-            print(f"  {name:10s} batch {b:5d}: {statistics.median(ratio):.2f}x wall, {statistics.median(ratio_cpu):.2f}x"
-                  f" CPU; DP step {statistics.median(ms):.0f} ms wall, {statistics.median(cpu):.0f} ms CPU; "
+            print(f"  {name:10s} batch {b:5d}: {statistics.median(ratio):.2f}x wall, "
+                  f"{statistics.median(ratio_cpu):.2f}x CPU; DP step {statistics.median(ms):.0f} ms wall, "
+                  f"{statistics.median(cpu):.0f} ms CPU; "
                   f"planned memory {statistics.median(mem):.2f}x  (per round: "
                   f"{' '.join(f'{v:.2f}' for v in ratio)})")
     return got
@@ -397,7 +400,8 @@ def main(argv=None) -> int:
                          "GPUs float32 matmuls then run in TF32, while jaxdp's norms and clipped sums ask for "
                          "HIGHEST); float32 compares both at full float32")
     ap.add_argument("--cpu-size", action="store_true", help=argparse.SUPPRESS)  # the default size set, explicitly
-    ap.add_argument("--child-json", default=None, metavar="TREE", help=argparse.SUPPRESS)  # time TREE's jaxdp, print JSON
+    # Time TREE's jaxdp and print the rows as JSON (a child of --compare-tree).
+    ap.add_argument("--child-json", default=None, metavar="TREE", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     which = next((n for n in ("smoke", "full", "gpu") if getattr(args, n)), "cpu")
     if args.matmul_precision:
