@@ -36,6 +36,8 @@ GLOSSARY = {
     "optimizer", "algorithm", "capacity", "overflow", "mask", "micro_batch_size",
     # truncated Poisson sampling (the cap on a batch; records beyond it are dropped)
     "max_batch_size",
+    # PNSGD with Poisson batches: fractions of the noise variance spent on the shift
+    "splits",
     # randomness: the public order and the secret noise key
     "key", "order_seed", "noise_seed", "seed", "checkpoint_key",
     # PLD accounting: static grid options
@@ -110,7 +112,7 @@ def test_every_quantity_is_in_the_glossary(modname):
 _LOCAL_NAMES = {
     "model", "data", "fn", "x", "y", "value", "event", "events", "accountant", "dp_event", "state", "ledger",
     "params", "grads", "updates", "loss", "path", "name", "rngs", "progress", "account", "callback",
-    "return_intermediates", "return_scores", "steps_per_call", "checkpoint_dir", "checkpoint_every", "resume",
+    "return_intermediates", "return_scores", "return_burn_in", "steps_per_call", "checkpoint_dir", "checkpoint_every", "resume",
     "use_fast_path", "drop_remainder", "test_fraction", "in_features", "out_features", "features",
     "num_classes", "feature_norm_bound", "directory", "step", "arrays", "metadata", "max_to_keep",
     "hidden", "p", "batch", "normalize", "dtype", "param_dtype", "activation", "axis", "layer_sizes",

@@ -165,6 +165,11 @@ CASES.update({
     "sampled_with_replacement_rdp": (lambda x: A.sampled_with_replacement_rdp(ORD, 1000, 10, x)[-1], 1.3),
     "truncated_poisson_rdp": (lambda x: A.truncated_poisson_rdp(ORD, 0.01, 1000, 20, x)[-1], 1.3),
     "shuffled_event": (lambda x: A.epsilon(A.shuffled_event(x, 3), 1e-5, orders=ORD), 1.3),
+    # PNSGD with Poisson batches (x: σ; the shift branch is the minimum at T = 3,000).
+    "poisson_pnsgd_rdp": (lambda x: A.poisson_pnsgd_rdp(ORD, 0.01, 1.0, 0.0, 0.5, x, 1.0, 10.0, 3000,
+                                                        num_records=1000)[-1], 1.3),
+    "poisson_pnsgd_epsilon": (lambda x: A.poisson_pnsgd_epsilon(1e-5, 0.01, 1.0, 0.0, 0.5, x, 1.0, 10.0, 3000,
+                                                                num_records=1000, orders=ORD), 1.3),
     "dpsbcd_rdp": (lambda x: A.dpsbcd_rdp(ORD, (0.01, 0.02, 0.01), learning_rate=0.05, sensitivity=x,
                                           contraction=0.97, prox_lipschitz=1.0, num_records=12, batch_size=3)[-1], 1.3),
     "dpsbcd_rdp_per_batch": (lambda x: A.dpsbcd_rdp_per_batch(ORD, (0.01, 0.02, 0.01), learning_rate=0.05,
