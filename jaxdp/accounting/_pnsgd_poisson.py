@@ -238,3 +238,26 @@ def poisson_pnsgd_epsilon(delta, q, lipschitz, smoothness, learning_rate, noise_
                             batch_size, num_steps, num_records=num_records, max_batch_size=max_batch_size,
                             splits=splits)
     return rdp_to_epsilon(rdp, _validate.concrete_orders(orders), delta).epsilon
+
+
+@float64
+def _composition_rdp(orders_np, q, lip, sig, b, steps, num_records, max_batch_size):
+    """T·S_α(σb/L): every iterate released (no convexity or contraction needed)."""
+    q, lip, sig, b, steps = (f64(x) for x in (q, lip, sig, b, steps))
+    valid = ((q >= 0) & (q <= 1) & (lip >= 0) & jnp.isfinite(lip) & (sig > 0) & jnp.isfinite(sig) & (b > 0)
+             & _validate.is_int(steps))
+    ok = valid & (lip > 0)
+    nu = jnp.where(ok, sig * b / jnp.where(ok, lip, 1.0), 1.0)
+    s = _step_rdp(orders_np, jnp.where(ok, q, 0.5), nu, num_records, max_batch_size)
+    out = jnp.where(ok[..., None], steps[..., None] * s, 0.0)
+    return jnp.where(valid[..., None], out, jnp.nan)
+
+
+def event_rdp(ev, orders_np):
+    """The RDP curve of a :class:`PNSGD` event with ``sampling="poisson"`` (every record alike)."""
+    if ev.hidden:
+        return poisson_pnsgd_rdp(orders_np, ev.q, ev.lipschitz, ev.smoothness, ev.learning_rate, ev.noise_std,
+                                 ev.diameter, float(ev.batch_size), ev.num_steps, num_records=ev.num_records,
+                                 max_batch_size=ev.max_batch_size)
+    return _composition_rdp(orders_np, ev.q, ev.lipschitz, ev.noise_std, float(ev.batch_size), ev.num_steps,
+                            ev.num_records, ev.max_batch_size)

@@ -254,3 +254,48 @@ def test_monte_carlo_audit_linear_loss_slow():
             lb = jaxdp.audit.epsilon_lower_bound(-y_in, -y_out, 1e-3)
             bound = float(A.poisson_pnsgd_epsilon(1e-3, q, h, 0.0, 1.0, s, D, 1.0, T, num_records=10))
             assert float(lb.epsilon) <= bound, (D, h, s, q, T, float(lb.epsilon), bound)
+
+
+# ---------------------------------------------------------------------------------------
+# The PNSGD event with sampling="poisson": epsilon, delta, rdp, pnsgd_privacy.
+
+
+def _event(**kw):
+    base = dict(num_records=1000, batch_size=10, relation="add_remove", sampling="poisson", q=0.01,
+                num_steps=100_000, max_batch_size=20)
+    return A.PNSGD(1.0, 1.0, 0.5, 1.0, 1.0, **{**base, **kw})
+
+
+def test_event_is_the_accountant_and_in_pnsgd_privacy_best_of():
+    import dataclasses
+
+    ev = _event()
+    e = float(A.epsilon(ev, 1e-5))
+    assert e == float(_eps(100_000))
+    np.testing.assert_allclose(A.rdp(ev, ORD), A.poisson_pnsgd_rdp(ORD, *RUN.values(), 100_000, **STATIC), rtol=1e-12)
+    assert float(A.delta(ev, e)) <= 1e-5 * (1 + 1e-9)
+    out = A.pnsgd_privacy(ev, 1e-5, positions=[1, 1000])
+    np.testing.assert_array_equal(out.iteration, [e, e])
+    np.testing.assert_array_equal(out.best, [e, e])
+    assert np.all(np.isinf(out.contraction)) and np.all(np.isinf(out.shifted_gdp))
+    comp = float(A.epsilon(dataclasses.replace(ev, hidden=False), 1e-5))
+    np.testing.assert_array_equal(out.composition, [comp, comp])
+    assert e < comp
+    np.testing.assert_array_equal(A.pnsgd_record_epsilon(ev, 1e-5), np.full(1000, e))
+    # Composes with other add/remove events through its RDP curve.
+    assert float(A.epsilon(A.Composed((ev, A.dpsgd_event(0.01, 2.0, 100))), 1e-5)) > e
+
+
+def test_event_fields_are_checked():
+    with pytest.raises(ValueError, match="relation='add_remove'"):
+        _event(relation="replace_one")
+    with pytest.raises(ValueError, match="Poisson sampling only"):
+        A.PNSGD(1.0, 1.0, 0.5, 1.0, 1.0, num_records=10, q=0.1)
+    with pytest.raises(ValueError, match="num_steps"):
+        _event(num_steps=None)
+    with pytest.raises(ValueError, match="passes"):
+        _event(passes=2)
+    with pytest.raises(ValueError, match="contractive"):
+        A.epsilon(_event(max_batch_size=None), 1e-5)  # ηβn/b = 50
+    # Existing fixed-order events are unchanged (same fields, same defaults).
+    assert A.PNSGD(1.0, 1.0, 0.5, 1.0, 1.0, num_records=10).sampling == "sequential"
