@@ -87,7 +87,8 @@ def _check_pnsgd_sampling(ev) -> None:
                          f"schedule={ev.schedule!r}, passes={ev.passes}.")
     q = ev.q
     if isinstance(q, bool) or not isinstance(q, (int, float, np.integer, np.floating)) or not 0.0 <= float(q) <= 1.0:
-        raise ValueError(f"PNSGD.q must be a Python number in [0, 1] with sampling='poisson' (it is static); got {q!r}.")
+        raise ValueError(f"PNSGD.q must be a Python number in [0, 1] with sampling='poisson' (it is static); "
+                         f"got {q!r}.")
     for name in ("num_steps", "max_batch_size"):
         v = getattr(ev, name)
         if name == "max_batch_size" and v is None:
@@ -270,7 +271,7 @@ class PNSGD(Event):
       the fixed ``batch_size`` b; ``relation="add_remove"``): with ``hidden=True`` the
       hidden-state bound of :func:`poisson_pnsgd_rdp` (flat in T after a burn-in), which
       includes plain composition; with ``hidden=False`` the composition of the T sampled
-      steps. Every record gets the same ε. Needs :math:`ηβB/b ≤ 2` (B = n when uncut).
+      steps. Every record gets the same ε. Needs :math:`ηβB/b ≤ 2` (B = n + 1 when uncut).
 
     Attributes:
       lipschitz, smoothness, learning_rate, noise_std, diameter, strong_convexity: L ≥ 0,
@@ -457,12 +458,12 @@ def check_leaves(event: Event, path: str = "event") -> None:
             if event.hidden and _validate.is_concrete(list(leaves)):
                 # Every batch's step must be a contraction: ηβB/b ≤ 2, B the largest batch.
                 eta, beta = (np.asarray(x, dtype=np.float64) for x in leaves[:2])
-                cap = event.num_records if event.max_batch_size is None else min(event.max_batch_size,
-                                                                                 event.num_records)
+                cap = event.num_records + 1 if event.max_batch_size is None else min(event.max_batch_size,
+                                                                                     event.num_records + 1)
                 if np.any(eta * beta * cap > 2.0 * event.batch_size):
                     raise ValueError(
-                        f"{path}.learning_rate (PNSGD, Poisson batches) must be at most 2*batch_size/(smoothness*{cap}) "
-                        f"(the largest batch must give a contractive step); got {eta}.")
+                        f"{path}.learning_rate (PNSGD, Poisson batches) must be at most "
+                        f"2*batch_size/(smoothness*{cap}) (the largest batch must give a contractive step); got {eta}.")
         elif _validate.is_concrete(list(leaves)):
             eta, beta, rho = (np.asarray(x, dtype=np.float64) for x in leaves)
             if np.any(rho > beta):

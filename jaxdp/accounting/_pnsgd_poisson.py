@@ -11,7 +11,8 @@ with :math:`B_t` a Poisson sample (each record independently with probability q;
 a uniformly random ``max_batch_size`` = B records when more are drawn), a fixed public
 denominator b, :math:`K` convex of diameter D, every :math:`ℓ(\cdot, x)` convex,
 L-Lipschitz and β-smooth on K, and :math:`ηβB/b ≤ 2` (so the batch step is a contraction
-for every batch that can occur). Neighbours: **add or remove one record** (the relation
+for every batch that can occur; B = n + 1 when batches are not cut, as a neighbour may hold
+n + 1 records). Neighbours: **add or remove one record** (the relation
 of Poisson sampling; one record's term moves the step by at most :math:`h = ηL/b`).
 
 Bound (derived in ``docs/hidden_state_poisson.md``, every lemma with its source): split
@@ -55,6 +56,14 @@ POISSON_PNSGD_SPLITS = tuple(float(x) for x in np.concatenate([np.geomspace(1e-3
                                                                np.linspace(0.06, 0.96, 22)]))
 
 
+def _largest_batch(num_records: int, max_batch_size: int | None) -> int:
+    """B of the contraction condition ηβB/b ≤ 2: the largest batch either neighbour can draw.
+
+    Under add/remove a neighbour may hold n + 1 records, so an uncut Poisson batch has up to n + 1.
+    """
+    return num_records + 1 if max_batch_size is None else min(max_batch_size, num_records + 1)
+
+
 def _step_rdp(orders_np, q, nu, num_records, max_batch_size):
     """S_α(ν): one Poisson (truncated when B ≤ n) sampled Gaussian step, shape ν.shape + (k,)."""
     if max_batch_size is None or max_batch_size > num_records:
@@ -69,7 +78,7 @@ def _core(orders_np, splits_np, q, lip, beta, eta, sig, dia, b, steps, num_recor
     shape = jnp.broadcast_shapes(*(jnp.shape(x) for x in (q, lip, beta, eta, sig, dia, b, steps)))
     q, lip, beta, eta, sig, dia, b, steps = (jnp.broadcast_to(x, shape) for x in (q, lip, beta, eta, sig, dia, b,
                                                                                  steps))
-    bmax = float(num_records if max_batch_size is None else min(max_batch_size, num_records))
+    bmax = float(_largest_batch(num_records, max_batch_size))
     valid = ((q >= 0) & (q <= 1) & (lip >= 0) & jnp.isfinite(lip) & (beta >= 0) & jnp.isfinite(beta) & (eta > 0)
              & jnp.isfinite(eta) & (eta * beta * bmax <= 2.0 * b) & (sig > 0) & jnp.isfinite(sig) & (dia > 0)
              & jnp.isfinite(dia) & (b > 0) & jnp.isfinite(b) & _validate.is_int(steps))
@@ -128,14 +137,14 @@ def _check(q, lipschitz, smoothness, learning_rate, noise_std, diameter, batch_s
     _validate.check_in_range("diameter", diameter, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("batch_size", batch_size, 0.0, math.inf, lo_open=True)
     _validate.check_integer("num_steps", num_steps)
-    bmax = num_records if max_batch_size is None else min(max_batch_size, num_records)
+    bmax = _largest_batch(num_records, max_batch_size)
     if all(_validate.is_concrete(x) for x in (learning_rate, smoothness, batch_size)):
         lhs = np.asarray(learning_rate, np.float64) * np.asarray(smoothness, np.float64) * bmax
         if np.any(lhs > 2.0 * np.asarray(batch_size, np.float64)):
             raise ValueError(
                 f"learning_rate must be at most 2*batch_size/(smoothness*{bmax}) (the largest batch, "
-                f"max_batch_size or num_records, must give a contractive step: eta*beta*B/b <= 2); got learning_rate="
-                f"{learning_rate!r}, smoothness={smoothness!r}, batch_size={batch_size!r}.")
+                f"max_batch_size or num_records + 1, must give a contractive step: eta*beta*B/b <= 2); got "
+                f"learning_rate={learning_rate!r}, smoothness={smoothness!r}, batch_size={batch_size!r}.")
 
 
 @float64
@@ -165,7 +174,7 @@ def poisson_pnsgd_rdp(orders, q, lipschitz, smoothness, learning_rate, noise_std
     convex, L-Lipschitz and β-smooth on a compact convex K of diameter D; the start is
     data-independent; the noise is fresh, independent, isotropic Gaussian; the batch
     is secret; only :math:`Y_T` is released; add/remove-one neighbours. Checked:
-    :math:`ηβB/b ≤ 2` with B = ``max_batch_size`` (or n), which makes every batch's step
+    :math:`ηβB/b ≤ 2` with B = ``max_batch_size`` (or n + 1, the neighbour's size), which makes every batch's step
     :math:`y ↦ y - \frac{η}{b}\sum_{x∈B}∇ℓ(y, x)` 1-Lipschitz.
 
     Args:

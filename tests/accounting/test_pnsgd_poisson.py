@@ -89,8 +89,9 @@ def test_per_record_lipschitz_is_elementwise_and_monotone():
 
 @pytest.mark.parametrize("x64", [False, True])
 def test_jit_vmap_grad_in_both_x64_modes(x64):
-    f = lambda s: A.poisson_pnsgd_epsilon(1e-5, 0.01, 1.0, 0.0, 0.5, s, 1.0, 10.0, 5_000, num_records=1000,  # noqa: E731
-                                          orders=ORD)
+    def f(s):
+        return A.poisson_pnsgd_epsilon(1e-5, 0.01, 1.0, 0.0, 0.5, s, 1.0, 10.0, 5_000, num_records=1000, orders=ORD)
+
     with jax.enable_x64(x64):
         e = f(1.0)
         assert e.dtype == jnp.float64 or not x64
@@ -106,7 +107,7 @@ def test_jit_vmap_grad_in_both_x64_modes(x64):
 
 def test_bad_inputs_raise_eagerly_and_are_nan_under_jit():
     with pytest.raises(ValueError, match="learning_rate must be at most"):
-        A.poisson_pnsgd_rdp(ORD, 0.01, 1.0, 1.0, 0.5, 1.0, 1.0, 10.0, 100, num_records=1000)  # B = n: ηβn/b = 50
+        A.poisson_pnsgd_rdp(ORD, 0.01, 1.0, 1.0, 0.5, 1.0, 1.0, 10.0, 100, num_records=1000)  # B = n + 1: ηβB/b > 50
     with pytest.raises(ValueError, match="q"):
         A.poisson_pnsgd_rdp(ORD, 1.5, 1.0, 0.0, 0.5, 1.0, 1.0, 10.0, 100, num_records=1000)
     with pytest.raises(ValueError, match="num_steps"):
@@ -176,8 +177,8 @@ def _simulate_linear(D, h, s, q, T, runs, rng, with_record):
 
 # (D, h = ηL/b, s = ησ, q); accountant with η = 1, σ = s, L = h, b = 1, β = 0.
 LINEAR = [(2.0, 1.0, 1.0, 0.2), (3.0, 1.0, 1.0, 0.5)]
-# (n, b, η, σ, q); D = 1, L = D (|y − x| ≤ 1 on [0, 1]), β = 1, ηβn/b ≤ 2.
-QUADRATIC = [(4, 2.0, 0.8, 1.0, 0.3), (6, 2.0, 0.6, 0.5, 0.5)]
+# (n, b, η, σ, q); D = 1, L = D (|y − x| ≤ 1 on [0, 1]), β = 1, ηβ(n + 1)/b ≤ 2.
+QUADRATIC = [(4, 2.0, 0.8, 1.0, 0.3), (6, 2.0, 0.55, 0.5, 0.5)]
 
 
 def _check_linear(params, Ts, G, delta):
