@@ -36,8 +36,8 @@ GLOSSARY = {
     "optimizer", "algorithm", "capacity", "overflow", "mask", "micro_batch_size",
     # truncated Poisson sampling (the cap on a batch; records beyond it are dropped)
     "max_batch_size",
-    # PNSGD with Poisson batches: fractions of the noise variance spent on the shift
-    "splits",
+    # PNSGD with Poisson batches: how batches are drawn, fractions of the noise variance spent on the shift
+    "sampling", "splits",
     # randomness: the public order and the secret noise key
     "key", "order_seed", "noise_seed", "seed", "checkpoint_key",
     # PLD accounting: static grid options
