@@ -270,3 +270,58 @@ def event_rdp(ev, orders_np):
                                  max_batch_size=ev.max_batch_size)
     return _composition_rdp(orders_np, ev.q, ev.lipschitz, ev.noise_std, float(ev.batch_size), ev.num_steps,
                             ev.num_records, ev.max_batch_size)
+
+
+
+_CAL_OCTAVES = 40.0  # the bracket: 2^±40 around σ = L/b (one record's move equals the noise)
+_CAL_POINTS = 64
+_CAL_ROUNDS = 4
+
+
+def calibrate_event(epsilon, delta, ev, orders_np, analysis: str):
+    r"""Smallest σ meeting (ε, δ) for a :class:`PNSGD` event with ``sampling="poisson"`` (eager).
+
+    ε(σ) decreases in σ (S_α falls with its noise multiplier, the shift cost with σ²), so the
+    certified set is :math:`[σ^*, ∞)`. Four rounds of 64 geometric points narrow the bracket
+    :math:`2^{±40} L/b` to a ratio of about 1 + 4e-6; the returned σ is a point where ε was
+    evaluated and found ≤ the target (never above it). +inf when no σ in the bracket works.
+    Values only: the search runs eagerly (a traced input raises ``ValueError``).
+    ``analysis``: ``"best"`` (the hidden-state bound, which includes composition) or
+    ``"composition"``.
+    """
+    if not all(_validate.is_concrete(x) for x in (epsilon, delta, ev.lipschitz, ev.smoothness, ev.learning_rate,
+                                                   ev.diameter)):
+        raise ValueError("calibrate_pnsgd_noise_std with sampling='poisson' runs eagerly: epsilon, delta and the "
+                         "event's leaves must be concrete (not traced by jit, vmap or grad).")
+    _validate.check_in_range("epsilon", epsilon, 0.0, math.inf, lo_open=True)
+    _validate.check_delta(delta)
+    for name in ("lipschitz", "smoothness", "learning_rate", "diameter"):
+        if np.ndim(getattr(ev, name)) != 0:
+            raise ValueError(f"PNSGD.{name} must be a scalar to calibrate (got shape {np.shape(getattr(ev, name))}).")
+    lip, b = float(ev.lipschitz), float(ev.batch_size)
+    if lip == 0.0:
+        return jnp.asarray(0.0, jnp.float64)
+    n, cap = ev.num_records, ev.max_batch_size
+    hidden = ev.hidden and analysis == "best"
+
+    def eps(sig):
+        if hidden:
+            return np.asarray(poisson_pnsgd_epsilon(delta, ev.q, lip, ev.smoothness, ev.learning_rate, sig,
+                                                    ev.diameter, b, ev.num_steps, num_records=n, max_batch_size=cap,
+                                                    orders=orders_np))
+        rdp = _composition_rdp(orders_np, ev.q, lip, f64(sig), b, ev.num_steps, n, cap)
+        return np.asarray(rdp_to_epsilon(rdp, orders_np, delta).epsilon)
+
+    lo, hi = math.log(lip / b) - _CAL_OCTAVES * math.log(2.0), math.log(lip / b) + _CAL_OCTAVES * math.log(2.0)
+    best = math.inf
+    for _ in range(_CAL_ROUNDS):
+        grid = np.exp(np.linspace(lo, hi, _CAL_POINTS))
+        ok = eps(grid) <= float(epsilon)
+        if not ok.any():
+            break
+        k = int(np.argmax(ok))  # ε decreases in σ: the first accepted point
+        best = min(best, float(grid[k]))
+        if k == 0:
+            break
+        lo, hi = math.log(grid[k - 1]), math.log(grid[k])
+    return jnp.asarray(best, jnp.float64)

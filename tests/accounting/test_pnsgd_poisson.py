@@ -300,3 +300,23 @@ def test_event_fields_are_checked():
         A.epsilon(_event(max_batch_size=None), 1e-5)  # ηβn/b = 50
     # Existing fixed-order events are unchanged (same fields, same defaults).
     assert A.PNSGD(1.0, 1.0, 0.5, 1.0, 1.0, num_records=10).sampling == "sequential"
+
+
+def test_calibration_of_a_poisson_event_refuses_what_it_cannot_do():
+    ev = _event()
+    with pytest.raises(ValueError, match="runs eagerly"):
+        jax.jit(lambda e: A.calibrate_pnsgd_noise_std(e, 1e-5, ev))(1.0)
+    with pytest.raises(ValueError, match="analysis='best' or 'composition'"):
+        A.calibrate_pnsgd_noise_std(1.0, 1e-5, ev, analysis="iteration")
+
+
+@pytest.mark.slow  # compiles the 64-point σ grid (~1 min idle)
+def test_calibration_of_a_poisson_event_meets_the_target():
+    import dataclasses
+
+    ev = _event()
+    s = float(A.calibrate_pnsgd_noise_std(1.0, 1e-5, ev))
+    assert float(A.epsilon(dataclasses.replace(ev, noise_std=s), 1e-5)) <= 1.0
+    assert float(A.epsilon(dataclasses.replace(ev, noise_std=s * (1 - 1e-4)), 1e-5)) > 1.0
+    s_comp = float(A.calibrate_pnsgd_noise_std(1.0, 1e-5, dataclasses.replace(ev, hidden=False)))
+    assert s < s_comp  # the hidden-state bound needs less noise
