@@ -152,6 +152,10 @@ def calibrate_pnsgd_noise_std(
     :math:`dσ^* = -∂h\cdot d(\ldots)/∂_σ h` with h its constraint (log δ(ε) − log δ, or
     ε(σ) − ε).
 
+    An event with ``sampling="poisson"`` is calibrated on its own bound (every record alike,
+    ``analysis="best"`` or ``"composition"``): eagerly, on geometric grids of σ, returning a
+    σ at which ε was evaluated and met the target (values only; traced inputs raise).
+
     Assumptions: as :func:`pnsgd_privacy` (convex, L-Lipschitz, β-smooth, ρ-strongly
     convex loss; η ≤ 2/(β+ρ); hidden intermediate iterates; fixed order).
 

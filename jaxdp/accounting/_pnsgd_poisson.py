@@ -205,7 +205,7 @@ def poisson_pnsgd_rdp(orders, q, lipschitz, smoothness, learning_rate, noise_std
     Examples:
       >>> import jaxdp
       >>> A = jaxdp.accounting
-      >>> r = [A.poisson_pnsgd_rdp([8.0], 0.01, 1.0, 1.0, 0.5, 1.0, 1.0, 10.0, t, num_records=1000)[0]
+      >>> r = [A.poisson_pnsgd_rdp([8.0], 0.01, 1.0, 0.0, 0.5, 1.0, 1.0, 10.0, t, num_records=1000)[0]
       ...      for t in (10, 10_000, 1_000_000)]
       >>> bool(r[1] < 10_000 * A.sampled_gaussian_rdp([8.0], 0.01, 10.0)[0]), bool(r[1] == r[2])
       (True, True)
@@ -237,7 +237,8 @@ def poisson_pnsgd_epsilon(delta, q, lipschitz, smoothness, learning_rate, noise_
     Examples:
       >>> import jaxdp
       >>> A = jaxdp.accounting
-      >>> e = A.poisson_pnsgd_epsilon(1e-5, 0.01, 1.0, 1.0, 0.5, 1.0, 1.0, 10.0, 100_000, num_records=1000)
+      >>> e = A.poisson_pnsgd_epsilon(1e-5, 0.01, 1.0, 1.0, 0.5, 1.0, 1.0, 10.0, 100_000, num_records=1000,
+      ...                             max_batch_size=20)
       >>> c = A.dpsgd_epsilon(0.01, 10.0, 100_000, 1e-5)
       >>> bool(e < c)
       True
