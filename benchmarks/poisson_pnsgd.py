@@ -8,7 +8,9 @@ std on the averaged gradient), D = 1, b = 10, n = 1000, batches cut at B = 20, Î
 """
 
 import argparse
+import os
 import pathlib
+import platform
 import time
 
 import numpy as np
@@ -26,6 +28,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    print(f"machine: {platform.machine()} {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f}")
     t0 = time.perf_counter()
     step = A.truncated_poisson_rdp(A.DEFAULT_ORDERS, RUN[0], 1000, 20, RUN[4] * RUN[6] / RUN[1])
     rows = []
