@@ -92,6 +92,9 @@ from ._accountants import pld_bracket as pld_bracket
 from ._pnsgd import PNSGDPrivacy as PNSGDPrivacy
 from ._pnsgd import pnsgd_privacy as pnsgd_privacy
 from ._pnsgd_calibrate import calibrate_pnsgd_noise_std as calibrate_pnsgd_noise_std
+from ._pnsgd_poisson import POISSON_PNSGD_SPLITS as POISSON_PNSGD_SPLITS
+from ._pnsgd_poisson import poisson_pnsgd_epsilon as poisson_pnsgd_epsilon
+from ._pnsgd_poisson import poisson_pnsgd_rdp as poisson_pnsgd_rdp
 from ._rdp import DEFAULT_ORDERS as DEFAULT_ORDERS
 from ._rdp import gaussian_rdp as gaussian_rdp
 from ._rdp import heterogeneous_rdp as heterogeneous_rdp
@@ -196,6 +199,10 @@ __all__ = [
     "pnsgd_privacy",
     "PNSGDPrivacy",
     "calibrate_pnsgd_noise_std",
+    # PNSGD with Poisson batches (hidden state, flat in the number of steps).
+    "poisson_pnsgd_rdp",
+    "poisson_pnsgd_epsilon",
+    "POISSON_PNSGD_SPLITS",
     # PNSGD theorems: contraction (Asoodeh et al.).
     "step_contraction",
     "pnsgd_contraction_delta",
