@@ -14,7 +14,7 @@ of ``--repeats`` blocks of ``--inner`` steps, wall clock):
 * ``jaxdp DP-SGD``: :func:`jaxdp.training.dpsgd_step` on ``batch`` records with q = 1
   (every record sampled: the batch has exactly ``batch`` rows), micro-batches of
   ``--micro`` rows (``micro_batch_size``; none when batch = micro), the clipped sum on the
-  fast path (ghost norms for the dense layers and attention projections, per-layer for the
+  fast path (ghost norms for the dense layers and attention projections, closed forms for the
   LayerNorms), Gaussian noise once, SGD;
 * ``jaxdp vmap``: the same with ``use_fast_path=False`` (per-example gradients of the
   whole model, ``vmap(grad)``), at the first batch size only (``--no-vmap`` to skip);
@@ -24,6 +24,11 @@ of ``--repeats`` blocks of ``--inner`` steps, wall clock):
   of ``nn.Linear`` projections), the same batch; accumulation by Opacus' own
   ``BatchMemoryManager``-style loop of micro-batches (backward per micro-batch, one step).
 
+Work (``--work``): XLA's flop count (``cost_analysis()``) of the first batch's gradient, of
+``clipped_grad_sum`` and of its norms alone, which, unlike the times, does not move with the
+machine's load (a whole step's count would include the overflow loop's body, which XLA counts
+although it rarely runs).
+
 Memory: XLA's planned peak of the compiled step (``memory_analysis()``: temporaries +
 arguments + outputs), and, on a GPU, the device's ``peak_bytes_in_use`` after the
 contender ran (cumulative over the run, so the order matters; the planned figure does not).
@@ -32,11 +37,16 @@ contender ran (cumulative over the run, so the order matters; the planned figure
     python benchmarks/transformer_step.py --full       # BERT-small sizes on CPU (slow)
     python benchmarks/transformer_step.py --gpu        # BERT-small sizes, batch 32 and 1024 (accumulated)
     python benchmarks/transformer_step.py --smoke      # seconds
+    python benchmarks/transformer_step.py --compare-tree /tmp/main   # this tree against `git archive main`, alternated
+
+Times are wall clock and CPU time of the process (all its threads; on a loaded machine the
+CPU time moves less than the wall clock).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -91,18 +101,20 @@ def build(layers, width, heads, seq, vocab):
 
 
 def _time(fn, args, repeats, inner):
+    """Median over ``repeats`` blocks of ``inner`` steps: (wall seconds, CPU seconds of this process) per step."""
     import jax
 
     out = fn(*args)
     jax.block_until_ready(out)
-    times = []
+    walls, cpus = [], []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         for _ in range(inner):
             out = fn(*args)
         jax.block_until_ready(out)
-        times.append((time.perf_counter() - t) / inner)
-    return statistics.median(times)
+        walls.append((time.perf_counter() - t) / inner)
+        cpus.append((time.process_time() - c) / inner)
+    return statistics.median(walls), statistics.median(cpus)
 
 
 def _planned_mb(jitted, args):
@@ -110,6 +122,57 @@ def _planned_mb(jitted, args):
     if m is None:
         return float("nan")
     return (m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes) / 2**20
+
+
+def _gflop(jitted, args):
+    """XLA's flop count of the compiled function (``cost_analysis``), in GFLOP."""
+    cost = jitted.lower(*args).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) and cost else cost
+    return (cost or {}).get("flops", float("nan")) / 1e9
+
+
+def work_split(model, x, y):
+    """XLA's flops of the batch's gradient, of ``clipped_grad_sum``, of its norms alone; the noise draw's cost.
+
+    Unlike times, flop counts do not move with the load. The norms-only figure is the
+    clipped sum with each layer's sum replaced by zeros (the δ's, norms and factors are
+    still formed): the clipped sum's extra work over the gradient is then the norms' part.
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxdp.models import softmax_cross_entropy_loss as loss
+    from jaxdp.training import _ghost, clipped_grad_sum
+
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def grad(p):
+        return jax.grad(lambda p: loss(nnx.merge(graphdef, p, rest), x, y).sum())(p)
+
+    def clipped(p):
+        out = clipped_grad_sum(lambda m, a, b: loss(m, a, b), nnx.merge(graphdef, p, rest), (x, y), 1.0)
+        return out.grad_sum, out.norms
+
+    g, c = _gflop(jax.jit(grad), (params,)), _gflop(jax.jit(clipped), (params,))
+    saved = _ghost._layer_grad_sum, _ghost._closed_grad_sum
+    def zeros(rec, *_):
+        return {k: jnp.zeros_like(v) for k, v in rec["recorder"].params.items()}
+
+    _ghost._layer_grad_sum, _ghost._closed_grad_sum = zeros, zeros
+    try:
+        n = _gflop(jax.jit(lambda p: clipped(p)), (params,))
+    finally:
+        _ghost._layer_grad_sum, _ghost._closed_grad_sum = saved
+    print(f"  work at batch {x.shape[0]} (XLA flops): gradient {g:.3f} GFLOP; clipped_grad_sum {c:.3f} GFLOP "
+          f"({c / g:.2f}x, {c - g:.3f} more); its norms without the sums {n:.3f} GFLOP (the sums: "
+          f"{c - n:.3f})", flush=True)
+    # The noise: one normal draw per trainable parameter and step, whatever the batch.
+    size = sum(v.size for v in jax.tree.leaves(params))
+    draw = jax.jit(lambda k: jax.random.normal(k, (size,), jnp.float32))
+    t, c = _time(draw, (jax.random.key(0),), 5, 2)
+    print(f"  the noise of a step ({size / 1e6:.2f} M float32 normals): {_gflop(draw, (jax.random.key(0),)):.3f} "
+          f"GFLOP, {1e3 * t:.1f} ms wall, {1e3 * c:.1f} ms CPU", flush=True)
 
 
 def _device_peak_mb():
@@ -169,11 +232,11 @@ def bench_jax(size, batches, micro, repeats, inner, vmap):
                                (params, opt, jax.random.key(2))))
         for label, fn, args in contenders:
             planned = _planned_mb(fn, args)
-            t = _time(fn, args, repeats, inner)
-            rows.append({"batch": b, "micro": m, "contender": label, "ms": 1e3 * t, "planned_mb": planned,
-                         "device_peak_mb": _device_peak_mb()})
-            print(f"  {label:14s} batch {b:5d} (micro {m:3d}): {1e3 * t:9.1f} ms, planned {planned:8.1f} MB",
-                  flush=True)
+            t, c = _time(fn, args, repeats, inner)
+            rows.append({"batch": b, "micro": m, "contender": label, "ms": 1e3 * t, "cpu_ms": 1e3 * c,
+                         "planned_mb": planned, "device_peak_mb": _device_peak_mb()})
+            print(f"  {label:14s} batch {b:5d} (micro {m:3d}): {1e3 * t:9.1f} ms (CPU {1e3 * c:9.1f} ms), "
+                  f"planned {planned:8.1f} MB", flush=True)
     return rows, n_params
 
 
@@ -238,14 +301,15 @@ for b in batches:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         step()
-        ts = []
+        ts, cs = [], []
         for _ in range(repeats):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             for _ in range(inner):
                 step()
             ts.append((time.perf_counter() - t) / inner)
+            cs.append((time.process_time() - c) / inner)
     rows.append({"batch": b, "micro": m, "contender": "opacus ghost", "ms": 1e3 * statistics.median(ts),
-                 "planned_mb": float("nan"), "device_peak_mb": float("nan")})
+                 "cpu_ms": 1e3 * statistics.median(cs), "planned_mb": float("nan"), "device_peak_mb": float("nan")})
 print(json.dumps(rows))
 '''
 
@@ -261,6 +325,51 @@ def bench_opacus(size, batches, micro, repeats, inner, python):
         print(f"  opacus: not run ({(proc.stderr.strip().splitlines() or ['?'])[-1][:200]})")
         return []
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def compare_trees(which, other, rounds, repeats, inner, precision=None):
+    """This tree's jaxdp and ``other``'s (e.g. ``git archive main``), each in a child process, alternated.
+
+    Each round runs one child per tree (this script with ``--child-json``: non-private and
+    DP-SGD at every batch size, compiled and timed in that child), so that a change of the
+    machine's load hits both trees; the ratios are formed within each child (its own
+    non-private step), then the median over rounds.
+    """
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    trees = {"this tree": os.path.abspath(here), "other tree": os.path.abspath(other)}
+    got = {name: [] for name in trees}
+    for r in range(rounds):
+        for name, tree in trees.items():
+            cmd = [sys.executable, os.path.abspath(__file__), f"--{which}" if which != "cpu" else "--cpu-size",
+                   "--child-json", tree, "--repeats", str(repeats), "--inner", str(inner), "--no-vmap"]
+            cmd += ["--matmul-precision", precision] if precision else []
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if proc.returncode != 0:
+                raise SystemExit(f"{name} ({tree}) failed: {proc.stderr.strip()[-2000:]}")
+            rows = json.loads(proc.stdout.strip().splitlines()[-1])
+            got[name].append(rows)
+            print(f"  round {r + 1}, {name}: " + "; ".join(
+                f"batch {x['batch']} {x['contender']} {x['ms']:.0f} ms (CPU {x['cpu_ms']:.0f})" for x in rows),
+                  flush=True)
+    print(f"\nmedian over {rounds} rounds of the DP-SGD step / non-private step in the same child "
+          "(wall, CPU time), and the DP-SGD step's own medians:")
+    for name, runs in got.items():
+        for b in sorted({x["batch"] for x in runs[0]}):
+            ratio, ratio_cpu, ms, cpu, mem = [], [], [], [], []
+            for rows in runs:
+                base = next(x for x in rows if x["batch"] == b and x["contender"] == "non-private")
+                dp = next(x for x in rows if x["batch"] == b and x["contender"] == "jaxdp DP-SGD")
+                ratio.append(dp["ms"] / base["ms"])
+                ratio_cpu.append(dp["cpu_ms"] / base["cpu_ms"])
+                ms.append(dp["ms"])
+                cpu.append(dp["cpu_ms"])
+                mem.append(dp["planned_mb"] / base["planned_mb"])
+            print(f"  {name:10s} batch {b:5d}: {statistics.median(ratio):.2f}x wall, "
+                  f"{statistics.median(ratio_cpu):.2f}x CPU; DP step {statistics.median(ms):.0f} ms wall, "
+                  f"{statistics.median(cpu):.0f} ms CPU; "
+                  f"planned memory {statistics.median(mem):.2f}x  (per round: "
+                  f"{' '.join(f'{v:.2f}' for v in ratio)})")
+    return got
 
 
 def _torch_python(given):
@@ -279,8 +388,37 @@ def main(argv=None) -> int:
     ap.add_argument("--inner", type=int, default=2)
     ap.add_argument("--no-vmap", action="store_true", help="skip the vmap(grad) contender")
     ap.add_argument("--torch-python", default=None, help="a Python with torch and opacus (default: this one, if it has them)")
+    ap.add_argument("--no-opacus", action="store_true", help="skip Opacus")
+    ap.add_argument("--work", action="store_true", help="also print XLA's flops of the gradient, the clipped sum "
+                                                          "and its norms at the first batch size")
+    ap.add_argument("--compare-tree", default=None, metavar="DIR",
+                    help="also time DIR's jaxdp (e.g. `git archive main`) against this tree's, alternated in child "
+                         "processes for --rounds rounds (DP-SGD and non-private only)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of --compare-tree")
+    ap.add_argument("--matmul-precision", default=None, choices=("float32", "tensorfloat32", "bfloat16"),
+                    help="jax_default_matmul_precision for every contender (default: the platform's; on recent "
+                         "GPUs float32 matmuls then run in TF32, while jaxdp's norms and clipped sums ask for "
+                         "HIGHEST); float32 compares both at full float32")
+    ap.add_argument("--cpu-size", action="store_true", help=argparse.SUPPRESS)  # the default size set, explicitly
+    # Time TREE's jaxdp and print the rows as JSON (a child of --compare-tree).
+    ap.add_argument("--child-json", default=None, metavar="TREE", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     which = next((n for n in ("smoke", "full", "gpu") if getattr(args, n)), "cpu")
+    if args.matmul_precision:
+        import jax
+
+        jax.config.update("jax_default_matmul_precision", args.matmul_precision)
+    if args.child_json:
+        sys.path.insert(0, os.path.abspath(args.child_json))
+        import jaxdp
+
+        assert os.path.abspath(jaxdp.__file__).startswith(os.path.abspath(args.child_json)), jaxdp.__file__
+        layers, width, heads, seq, vocab, batches, micro = SIZES[which]
+        repeats, inner = (2, 1) if args.smoke else (args.repeats, args.inner)
+        with contextlib.redirect_stdout(sys.stderr):
+            rows, _ = bench_jax((layers, width, heads, seq, vocab), batches, micro, repeats, inner, False)
+        print(json.dumps(rows))
+        return 0
     layers, width, heads, seq, vocab, batches, micro = SIZES[which]
     repeats, inner = (2, 1) if args.smoke else (args.repeats, args.inner)
 
@@ -292,21 +430,34 @@ def main(argv=None) -> int:
     print(f"size set '{which}': {layers} layers, width {width}, {heads} heads, sequence {seq}, vocabulary {vocab}; "
           f"batches {batches} in micro-batches of {micro}")
     print(f"machine: {_cpu_model()}, {os.cpu_count()} CPU cores, device {dev.device_kind} ({jax.default_backend()}), "
-          f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}; jax {jax.__version__}", flush=True)
+          f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}; jax {jax.__version__}; default matmul "
+          f"precision {jax.config.jax_default_matmul_precision or 'the platform default'}", flush=True)
     size = (layers, width, heads, seq, vocab)
+    if args.compare_tree:
+        compare_trees(which, args.compare_tree, args.rounds, repeats, inner, args.matmul_precision)
+        print(f"load average: {' '.join(f'{v:.2f}' for v in os.getloadavg())}\n", flush=True)
+    if args.work:
+        import jax.numpy as jnp
+
+        rng = np.random.default_rng(0)
+        work_split(build(*size), jnp.asarray(rng.integers(0, vocab, (batches[0], seq)), jnp.int32),
+                   jnp.asarray(rng.integers(0, 2, batches[0]), jnp.int32))
     rows, n_params = bench_jax(size, batches, micro, repeats, inner, not args.no_vmap)
-    python = _torch_python(args.torch_python)
-    if python is not None and jax.default_backend() == "cpu":
+    python = None if args.no_opacus else _torch_python(args.torch_python)
+    if args.no_opacus:
+        print("  opacus: skipped (--no-opacus)")
+    elif python is not None and jax.default_backend() == "cpu":
         rows += bench_opacus(size, batches, micro, repeats, inner, python)
     elif python is None:
         print("  opacus: torch/opacus not importable: skipped")
     base = {r["batch"]: r for r in rows if r["contender"] == "non-private"}
     print(f"\n{n_params / 1e6:.2f} M parameters. Ratios against the non-private step of the same batch and micro-batch.")
-    print(f"{'batch':>6} {'micro':>6} {'contender':<14} {'ms/step':>9} {'x time':>7} {'planned MB':>11} {'x mem':>6}"
-          f" {'device peak MB':>15}")
+    print(f"{'batch':>6} {'micro':>6} {'contender':<14} {'ms/step':>9} {'x time':>7} {'CPU ms':>9} {'x CPU':>6}"
+          f" {'planned MB':>11} {'x mem':>6} {'device peak MB':>15}")
     for r in rows:
         nb = base[r["batch"]]
         print(f"{r['batch']:>6} {r['micro']:>6} {r['contender']:<14} {r['ms']:>9.1f} {r['ms'] / nb['ms']:>7.2f} "
+              f"{r['cpu_ms']:>9.1f} {r['cpu_ms'] / nb['cpu_ms']:>6.2f} "
               f"{r['planned_mb']:>11.1f} {r['planned_mb'] / nb['planned_mb']:>6.2f} {r['device_peak_mb']:>15.1f}")
     print(f"load average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     return 0

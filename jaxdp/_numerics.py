@@ -208,6 +208,18 @@ def _log_ndtr_jvp(primals, tangents):
     return value, slope * t
 
 
+def one_output(*values: jax.Array) -> tuple[jax.Array, ...]:
+    """``values`` unchanged, produced by XLA as one stacked output (same shape and dtype).
+
+    Several results of one large elementwise computation (log θ with its slopes) used by
+    different consumers make XLA's CPU fusion split the computation into many small
+    kernels, which more than doubles its compile time. Stacked and behind an optimisation
+    barrier they are one kernel's output, read back by slices; the values are the same.
+    """
+    stacked = jax.lax.optimization_barrier(jnp.stack(jnp.broadcast_arrays(*values)))
+    return tuple(stacked[i] for i in range(len(values)))
+
+
 def take(x: jax.Array, indices, axis: int = -1) -> jax.Array:
     """``jnp.take(x, indices, axis)`` for a static integer index array, safe in reverse mode.
 

@@ -8,8 +8,10 @@ relation to attach, and :func:`to_dp_event` returns the relation beside the tree
 Supported: ``GaussianDpEvent``, ``LaplaceDpEvent``, ``PoissonSampledDpEvent``,
 ``SelfComposedDpEvent``, ``ComposedDpEvent``, ``SampledWithoutReplacementDpEvent`` and
 ``SampledWithReplacementDpEvent`` (replace-one only), ``TruncatedSubsampledGaussianDpEvent``
-(add/remove-one only). A :class:`~jaxdp.accounting.PNSGD` event has no dp_accounting
-counterpart.
+(add/remove-one only), ``RandomizedResponseDpEvent`` (replace-one only), ``ZCDpEvent`` and
+``SingleEpochTreeAggregationDpEvent`` (dp_accounting accounts the last under
+``REPLACE_SPECIAL``; jaxdp attaches the relation you pass). A
+:class:`~jaxdp.accounting.PNSGD` event has no dp_accounting counterpart.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from . import accounting as ev
 __all__ = ["from_dp_event", "to_dp_event", "DpEventWithRelation"]
 
 _SUPPORTED = ("GaussianDpEvent, LaplaceDpEvent, PoissonSampledDpEvent, SelfComposedDpEvent, ComposedDpEvent, "
-              "SampledWithoutReplacementDpEvent, SampledWithReplacementDpEvent, TruncatedSubsampledGaussianDpEvent")
+              "SampledWithoutReplacementDpEvent, SampledWithReplacementDpEvent, TruncatedSubsampledGaussianDpEvent, "
+              "RandomizedResponseDpEvent, ZCDpEvent, SingleEpochTreeAggregationDpEvent")
 
 
 def _dp_event_module():
@@ -99,6 +102,17 @@ def from_dp_event(dp_event, relation: str = "add_remove") -> ev.Event:
                              f"neighbours only; pass relation='add_remove', got {relation!r}.")
         return ev.TruncatedPoissonSampled(dp_event.sampling_probability, dp_event.dataset_size,
                                           dp_event.truncated_batch_size, ev.Gaussian(dp_event.noise_multiplier))
+    if isinstance(dp_event, dpe.RandomizedResponseDpEvent):
+        if relation != "replace_one":
+            raise ValueError("from_dp_event: jaxdp analyses RandomizedResponseDpEvent under replace-one neighbours "
+                             f"(dp_accounting's REPLACE_ONE) only; pass relation='replace_one', got {relation!r}.")
+        return ev.RandomizedResponse(dp_event.noise_parameter, dp_event.num_buckets)
+    if isinstance(dp_event, dpe.ZCDpEvent):
+        return ev.ZCDP(dp_event.rho, dp_event.xi, relation=relation)
+    if isinstance(dp_event, dpe.SingleEpochTreeAggregationDpEvent):
+        counts = dp_event.step_counts
+        counts = (counts,) if np.isscalar(counts) else tuple(counts)
+        return ev.SingleEpochTreeAggregation(dp_event.noise_multiplier, tuple(int(c) for c in counts), relation=relation)
     raise ValueError(
         f"from_dp_event: unsupported dp_accounting event type {type(dp_event).__name__}; supported: {_SUPPORTED}."
     )
@@ -172,6 +186,15 @@ def to_dp_event(event: ev.Event) -> DpEventWithRelation:
                 _whole(f"{path}.num_records", e.num_records), _scalar(f"{path}.q", e.q),
                 _whole(f"{path}.max_batch_size", e.max_batch_size),
                 _scalar(f"{path}.event.noise_multiplier", e.event.noise_multiplier))
+        if isinstance(e, ev.RandomizedResponse):
+            return dpe.RandomizedResponseDpEvent(_scalar(f"{path}.noise_parameter", e.noise_parameter),
+                                                 _whole(f"{path}.num_buckets", e.num_buckets))
+        if isinstance(e, ev.ZCDP):
+            return dpe.ZCDpEvent(_scalar(f"{path}.rho", e.rho), _scalar(f"{path}.xi", e.xi))
+        if isinstance(e, ev.SingleEpochTreeAggregation):
+            counts = list(e.step_counts)
+            return dpe.SingleEpochTreeAggregationDpEvent(_scalar(f"{path}.noise_multiplier", e.noise_multiplier),
+                                                         counts[0] if len(counts) == 1 else counts)
         raise ValueError(f"to_dp_event: {path} is a {type(e).__name__} event, which has no dp_accounting counterpart.")
 
     return DpEventWithRelation(conv(event, "event"), relation)

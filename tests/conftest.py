@@ -113,6 +113,24 @@ SLOW_IN_CI = {
     # The diameter derivative of calibrate_pnsgd_noise_std: calibrate_noise_multiplier's
     # implicit-function derivatives (the same implicit_root code) stay.
     "tests/accounting/test_gradients.py::test_calibration_derivatives_follow_the_implicit_function_theorem[calibrate_pnsgd_noise_std(diameter)]",
+    # Session 11 (suite 13:44 against the 10-minute target): the sampled events' own
+    # jit/vmap/grad cells that the transformation matrix repeats (truncated_poisson_rdp and
+    # sampled_without_replacement_rdp with x64 off); the with-replacement cells and the x64-on
+    # without-replacement cell stay.
+    "tests/accounting/test_sampling.py::test_jit_vmap_grad_in_both_x64_modes[trunc-False]",
+    "tests/accounting/test_sampling.py::test_jit_vmap_grad_in_both_x64_modes[trunc-True]",
+    "tests/accounting/test_sampling.py::test_jit_vmap_grad_in_both_x64_modes[wor-False]",
+    # Random stopping with batches as steps: the ragged case (8 records in batches of 3)
+    # stays; the even split and batches of one are the same theorem on simpler sizes.
+    "tests/accounting/test_pnsgd_record.py::test_random_stop_with_batches_is_the_theorems_with_batches_as_steps[8-4]",
+    "tests/accounting/test_pnsgd_record.py::test_random_stop_with_batches_is_the_theorems_with_batches_as_steps[7-1]",
+    # Samplers' train-target-resume runs: shuffle (per-pass permutation keys, the note, the
+    # bisected target) and fixed size (per-step keys, the replace-one event) stay; Poisson's
+    # resume has its own tests, balls-in-bins shares shuffle's per-pass keys, truncated
+    # Poisson shares fixed size's per-step keys.
+    "tests/training/test_samplers.py::test_run_reaches_target_reports_its_scheme_and_resumes_bit_identically[poisson]",
+    "tests/training/test_samplers.py::test_run_reaches_target_reports_its_scheme_and_resumes_bit_identically[balls-in-bins]",
+    "tests/training/test_samplers.py::test_run_reaches_target_reports_its_scheme_and_resumes_bit_identically[truncated-poisson]",
 }
 
 # CI runs the property tests with a fixed seed so that a submission's result does not depend

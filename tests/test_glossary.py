@@ -38,6 +38,12 @@ GLOSSARY = {
     "max_batch_size",
     # balls-in-bins / random allocation: steps of one pass; which direction of the divergence
     "steps_per_pass", "direction",
+    # shuffling: batches (steps) per pass of a random permutation
+    "num_batches",
+    # dp_accounting parity events: randomized response, zCDP, tree aggregation
+    "noise_parameter", "num_buckets", "rho", "xi", "step_counts",
+    # PNSGD with Poisson batches: how batches are drawn, fractions of the noise variance spent on the shift
+    "sampling", "splits",
     # randomness: the public order and the secret noise key
     "key", "order_seed", "noise_seed", "seed", "checkpoint_key",
     # PLD accounting: static grid options
@@ -112,7 +118,7 @@ def test_every_quantity_is_in_the_glossary(modname):
 _LOCAL_NAMES = {
     "model", "data", "fn", "x", "y", "value", "event", "events", "accountant", "dp_event", "state", "ledger",
     "params", "grads", "updates", "loss", "path", "name", "rngs", "progress", "account", "callback",
-    "return_intermediates", "return_scores", "steps_per_call", "checkpoint_dir", "checkpoint_every", "resume",
+    "return_intermediates", "return_scores", "return_burn_in", "steps_per_call", "checkpoint_dir", "checkpoint_every", "resume",
     "use_fast_path", "drop_remainder", "test_fraction", "in_features", "out_features", "features",
     "num_classes", "feature_norm_bound", "directory", "step", "arrays", "metadata", "max_to_keep",
     "hidden", "p", "batch", "normalize", "dtype", "param_dtype", "activation", "axis", "layer_sizes",
@@ -123,6 +129,7 @@ _LOCAL_NAMES = {
     "checkpoint_key",  # RunOptions: the HMAC key of the checkpoints
     "devices", "mesh",  # data parallelism: where the batch is split (jax devices or a Mesh)
     "wrt", "trainable",  # nnx filters of the trained parameters (the others are frozen, public)
+    "sampler",  # DPSGDMechanism: the batch scheme (jaxdp.training.samplers)
 }
 
 

@@ -84,8 +84,8 @@ def test_fractional_orders_lower_only_where_jaxdp_is_exact():
 
 
 def test_unsupported_and_bad_conversions():
-    with pytest.raises(ValueError, match="ZCDpEvent"):
-        from_dp_event(dpe.ZCDpEvent(0.5))
+    with pytest.raises(ValueError, match="RepeatAndSelectDpEvent"):
+        from_dp_event(dpe.RepeatAndSelectDpEvent(dpe.GaussianDpEvent(1.0), 2.0, 1.0))
     with pytest.raises(ValueError, match="NonPrivateDpEvent"):
         from_dp_event(dpe.ComposedDpEvent([dpe.GaussianDpEvent(1.0), dpe.NonPrivateDpEvent()]))
     with pytest.raises(ValueError, match="relation"):

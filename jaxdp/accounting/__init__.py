@@ -77,6 +77,9 @@ from ._mechanisms import gaussian_mechanism as gaussian_mechanism
 from ._mechanisms import gaussian_mechanism_delta as gaussian_mechanism_delta
 from ._mechanisms import gaussian_mechanism_epsilon as gaussian_mechanism_epsilon
 from ._mechanisms import laplace_mechanism as laplace_mechanism
+from ._parity import ZCDP as ZCDP
+from ._parity import RandomizedResponse as RandomizedResponse
+from ._parity import SingleEpochTreeAggregation as SingleEpochTreeAggregation
 from ._per_instance import PER_INSTANCE_ORDERS as PER_INSTANCE_ORDERS
 from ._per_instance import per_instance_composition_orders as per_instance_composition_orders
 from ._per_instance import per_instance_dpsgd_privacy as per_instance_dpsgd_privacy
@@ -89,6 +92,9 @@ from ._accountants import pld_bracket as pld_bracket
 from ._pnsgd import PNSGDPrivacy as PNSGDPrivacy
 from ._pnsgd import pnsgd_privacy as pnsgd_privacy
 from ._pnsgd_calibrate import calibrate_pnsgd_noise_std as calibrate_pnsgd_noise_std
+from ._pnsgd_poisson import POISSON_PNSGD_SPLITS as POISSON_PNSGD_SPLITS
+from ._pnsgd_poisson import poisson_pnsgd_epsilon as poisson_pnsgd_epsilon
+from ._pnsgd_poisson import poisson_pnsgd_rdp as poisson_pnsgd_rdp
 from ._rdp import DEFAULT_ORDERS as DEFAULT_ORDERS
 from ._rdp import gaussian_rdp as gaussian_rdp
 from ._rdp import heterogeneous_rdp as heterogeneous_rdp
@@ -103,6 +109,7 @@ from ._sampling import TruncatedPoissonSampled as TruncatedPoissonSampled
 from ._sampling import sampled_with_replacement_rdp as sampled_with_replacement_rdp
 from ._sampling import sampled_without_replacement_rdp as sampled_without_replacement_rdp
 from ._sampling import shuffled_event as shuffled_event
+from ._shuffle_lower import shuffled_lower_epsilon as shuffled_lower_epsilon
 from ._sampling import truncated_poisson_rdp as truncated_poisson_rdp
 from ._shifted import pnsgd_shifted_gdp as pnsgd_shifted_gdp
 from ._shifted import pnsgd_shifted_rdp as pnsgd_shifted_rdp
@@ -123,6 +130,9 @@ __all__ = [
     "SampledWithReplacement",
     "TruncatedPoissonSampled",
     "RandomAllocation",
+    "RandomizedResponse",
+    "ZCDP",
+    "SingleEpochTreeAggregation",
     "SelfComposed",
     "Composed",
     "PNSGD",
@@ -131,6 +141,7 @@ __all__ = [
     "dpsgd_event",
     "shuffled_event",
     "balls_in_bins_event",
+    "shuffled_lower_epsilon",
     "relation_of",
     # Accountants of events: ε, δ and the RDP curve, by accountant="rdp" (default) or "pld".
     "epsilon",
@@ -194,6 +205,10 @@ __all__ = [
     "pnsgd_privacy",
     "PNSGDPrivacy",
     "calibrate_pnsgd_noise_std",
+    # PNSGD with Poisson batches (hidden state, flat in the number of steps).
+    "poisson_pnsgd_rdp",
+    "poisson_pnsgd_epsilon",
+    "POISSON_PNSGD_SPLITS",
     # PNSGD theorems: contraction (Asoodeh et al.).
     "step_contraction",
     "pnsgd_contraction_delta",

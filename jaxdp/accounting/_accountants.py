@@ -32,7 +32,7 @@ import numpy as np
 from .. import _validate
 from .._numerics import f64, float64
 from .._program_cache import persistent
-from . import _allocation, _pld, _sampling
+from . import _allocation, _parity, _pld, _pnsgd_poisson, _sampling
 from ._contraction import pnsgd_contraction_delta, step_contraction, stop_pnsgd_contraction_delta
 from ._conversion import rdp_to_delta, rdp_to_epsilon
 from ._dpsbcd import dpsbcd_rdp
@@ -86,6 +86,8 @@ def _with_fields(fn: Callable, event: Event, *args, **kwargs):
 
 
 def _check_pnsgd_support(ev: PNSGD, path: str) -> None:
+    if ev.sampling == "poisson":
+        return  # add/remove, one fixed schedule: checked by the event itself
     if ev.relation != "replace_one":
         raise ValueError(
             f"{path}: the PNSGD analyses cover relation 'replace_one' only (records replaced in a fixed "
@@ -115,6 +117,8 @@ def _rdp_compose(event: Event, orders: np.ndarray, path: str = "event", compose:
     if isinstance(event, _allocation.RandomAllocation):  # balls-in-bins (_allocation.py)
         _allocation.check_support(event, path)
         return _allocation.rdp_curve(event, orders) if compose else None
+    if isinstance(event, _parity.PARITY_EVENTS):  # randomized response, zCDP, tree aggregation (_parity.py)
+        return _parity.rdp_curve(event, orders) if compose else None
     if isinstance(event, Gaussian):
         return gaussian_rdp(orders, event.noise_multiplier) if compose else None
     if isinstance(event, Laplace):
@@ -181,6 +185,8 @@ def _stop_rdp(ev: PNSGD, orders, batches):
 
 
 def _pnsgd_rdp(ev: PNSGD, orders: np.ndarray):
+    if ev.sampling == "poisson":
+        return _pnsgd_poisson.event_rdp(ev, orders)
     n = ev.num_records
     if ev.schedule == "random_stop":
         curve = _stop_rdp(ev, orders, 1)
@@ -295,7 +301,7 @@ def _pnsgd_delta_one(ev: PNSGD, target_epsilon, orders):
 
 
 def _rdp_epsilon(event: Event, target_delta, orders: np.ndarray):
-    if isinstance(event, PNSGD):
+    if isinstance(event, PNSGD) and event.sampling == "sequential":
         # A lone PNSGD run gets its own (ε, δ) analyses, tighter than its RDP curve.
         _check_pnsgd_support(event, "event")
         return _map_pnsgd(lambda ev, d: _pnsgd_epsilon_one(ev, d, orders), event, target_delta)
@@ -303,7 +309,7 @@ def _rdp_epsilon(event: Event, target_delta, orders: np.ndarray):
 
 
 def _rdp_delta(event: Event, target_epsilon, orders: np.ndarray):
-    if isinstance(event, PNSGD):
+    if isinstance(event, PNSGD) and event.sampling == "sequential":
         _check_pnsgd_support(event, "event")
         return _map_pnsgd(lambda ev, e: _pnsgd_delta_one(ev, e, orders), event, target_epsilon)
     return rdp_to_delta(_rdp_compose(event, orders), orders, target_epsilon).delta
@@ -416,7 +422,8 @@ def epsilon(event: Event, delta, *, orders=DEFAULT_ORDERS, accountant: str = "rd
         (default :data:`PLD_TAIL_BOUND` = 1e-6, used as min(tail_bound, 1e-4·δ)); the
         mass actually outside is certified and added to δ.
       estimate: ``"pld"`` only: ``"upper"`` (default, a certified upper bound on ε) or
-        ``"lower"`` (a certified lower bound, privacy buckets rounded down).
+        ``"lower"`` (a certified lower bound from a dominated discrete pair: merged buckets
+        for Gaussian and Poisson-sampled Gaussian mechanisms, buckets rounded down otherwise).
       fallback: ``"pld"`` only: ``"rdp"`` (default; where the grid cannot certify δ, the
         RDP accountant's ε, eagerly with a ``UserWarning``) or ``"none"`` (+inf there,
         eagerly a ``ValueError``).

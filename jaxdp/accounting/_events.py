@@ -67,6 +67,35 @@ def register_event_type(cls: type, *, relation, check) -> None:
 
 RELATIONS = ("add_remove", "replace_one")
 _SCHEDULES = ("fixed", "random_stop")
+_SAMPLINGS = ("sequential", "poisson")
+
+
+def _check_pnsgd_sampling(ev) -> None:
+    """The static fields of a PNSGD run's batch sampling (see :class:`PNSGD`)."""
+    extra = {"q": ev.q, "num_steps": ev.num_steps, "max_batch_size": ev.max_batch_size}
+    if ev.sampling == "sequential":
+        given = [k for k, v in extra.items() if v is not None]
+        if given:
+            raise ValueError(f"PNSGD.{given[0]} is a field of Poisson sampling only; set sampling='poisson' or "
+                             f"leave it None.")
+        return
+    if ev.relation != "add_remove":
+        raise ValueError("PNSGD with sampling='poisson' is analysed under relation='add_remove' (the relation of "
+                         f"Poisson sampling); got relation {ev.relation!r}.")
+    if ev.schedule != "fixed" or ev.passes != 1:
+        raise ValueError("PNSGD with sampling='poisson' takes num_steps (schedule='fixed', passes=1); got "
+                         f"schedule={ev.schedule!r}, passes={ev.passes}.")
+    q = ev.q
+    if isinstance(q, bool) or not isinstance(q, (int, float, np.integer, np.floating)) or not 0.0 <= float(q) <= 1.0:
+        raise ValueError(f"PNSGD.q must be a Python number in [0, 1] with sampling='poisson' (it is static); "
+                         f"got {q!r}.")
+    for name in ("num_steps", "max_batch_size"):
+        v = getattr(ev, name)
+        if name == "max_batch_size" and v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"PNSGD.{name} must be a Python int >= 1 with sampling='poisson' (it is static); got "
+                             f"{v!r}.")
 
 
 # =======================================================================================
@@ -210,7 +239,8 @@ class Composed(Event):
 
 @_event(
     data=("lipschitz", "smoothness", "learning_rate", "noise_std", "diameter", "strong_convexity"),
-    meta=("num_records", "batch_size", "passes", "schedule", "hidden", "relation"),
+    meta=("num_records", "batch_size", "passes", "schedule", "hidden", "relation", "sampling", "q", "num_steps",
+          "max_batch_size"),
 )
 class PNSGD(Event):
     r"""A projected noisy SGD run :math:`Y ← Π_K(Y - η(\frac1b\sum_{x∈B}∇ℓ(Y, x) + Z))`.
@@ -236,6 +266,12 @@ class PNSGD(Event):
       Feldman et al.'s Theorem 26 RDP (``form="logmeanexp"``), and per record the
       composition bound too. Needs ``passes=1``; with ``batch_size`` b > 1 the batches are
       the steps (Lipschitz constant L/b_min, see :func:`pnsgd_privacy`).
+    * ``sampling="poisson"`` (``num_steps`` T steps, each on a Poisson sample at rate ``q``,
+      cut to ``max_batch_size`` B records when more are drawn, the gradient sum divided by
+      the fixed ``batch_size`` b; ``relation="add_remove"``): with ``hidden=True`` the
+      hidden-state bound of :func:`poisson_pnsgd_rdp` (flat in T after a burn-in), which
+      includes plain composition; with ``hidden=False`` the composition of the T sampled
+      steps. Every record gets the same ε. Needs :math:`ηβB/b ≤ 2` (B = n + 1 when uncut).
 
     Attributes:
       lipschitz, smoothness, learning_rate, noise_std, diameter, strong_convexity: L ≥ 0,
@@ -243,7 +279,12 @@ class PNSGD(Event):
       num_records, batch_size, passes: n ≥ 1, b ≥ 1, k ≥ 1 (static Python ints).
       schedule: ``"fixed"`` or ``"random_stop"`` (static).
       hidden: whether intermediate iterates are hidden (static).
-      relation: ``"replace_one"`` (the only relation these analyses cover; static).
+      relation: ``"replace_one"`` (fixed-order analyses) or ``"add_remove"`` (Poisson
+        sampling; static).
+      sampling: ``"sequential"`` (consecutive batches in a fixed order; default) or
+        ``"poisson"`` (static).
+      q, num_steps, max_batch_size: Poisson sampling only: the rate in [0, 1], T ≥ 1 and
+        B ≥ 1 or None (static Python numbers).
 
     Assumptions: convex, L-Lipschitz, β-smooth, ρ-strongly convex loss on a convex set of
     diameter D; data-independent start; fixed record order (see :func:`pnsgd_privacy`).
@@ -261,10 +302,16 @@ class PNSGD(Event):
     schedule: str = "fixed"
     hidden: bool = True
     relation: str = "replace_one"
+    sampling: str = "sequential"
+    q: Any = None
+    num_steps: int | None = None
+    max_batch_size: int | None = None
 
     def __post_init__(self):
         _check_relation("PNSGD", self.relation)
         _validate.check_static_choice("PNSGD.schedule", self.schedule, _SCHEDULES)
+        _validate.check_static_choice("PNSGD.sampling", self.sampling, _SAMPLINGS)
+        _check_pnsgd_sampling(self)
         for name in ("num_records", "batch_size", "passes"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
@@ -400,13 +447,24 @@ def check_leaves(event: Event, path: str = "event") -> None:
     elif isinstance(event, PNSGD):
         p = f"{path}.{{}} (PNSGD)"
         chk(p.format("lipschitz"), event.lipschitz, 0.0, math.inf)
-        chk(p.format("smoothness"), event.smoothness, 0.0, math.inf, lo_open=True)
+        chk(p.format("smoothness"), event.smoothness, 0.0, math.inf, lo_open=event.sampling != "poisson")
         chk(p.format("noise_std"), event.noise_std, 0.0, math.inf, lo_open=True)
         chk(p.format("diameter"), event.diameter, 0.0, math.inf, lo_open=True)
         chk(p.format("strong_convexity"), event.strong_convexity, 0.0, math.inf)
         chk(p.format("learning_rate"), event.learning_rate, 0.0, math.inf, lo_open=True)
         leaves = (event.learning_rate, event.smoothness, event.strong_convexity)
-        if _validate.is_concrete(list(leaves)):
+        if event.sampling == "poisson":
+            chk(p.format("q"), event.q, 0.0, 1.0)
+            if event.hidden and _validate.is_concrete(list(leaves)):
+                # Every batch's step must be a contraction: ηβB/b ≤ 2, B the largest batch.
+                eta, beta = (np.asarray(x, dtype=np.float64) for x in leaves[:2])
+                cap = event.num_records + 1 if event.max_batch_size is None else min(event.max_batch_size,
+                                                                                     event.num_records + 1)
+                if np.any(eta * beta * cap > 2.0 * event.batch_size):
+                    raise ValueError(
+                        f"{path}.learning_rate (PNSGD, Poisson batches) must be at most "
+                        f"2*batch_size/(smoothness*{cap}) (the largest batch must give a contractive step); got {eta}.")
+        elif _validate.is_concrete(list(leaves)):
             eta, beta, rho = (np.asarray(x, dtype=np.float64) for x in leaves)
             if np.any(rho > beta):
                 raise ValueError(f"{path}.strong_convexity (PNSGD) must be <= smoothness; got {rho} > {beta}.")

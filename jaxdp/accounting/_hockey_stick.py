@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _validate
-from .._numerics import f64, float64, log_ndtr
+from .._numerics import f64, float64, log_ndtr, one_output
 from .._validate import nan_unless
 
 __all__ = [
@@ -118,16 +118,17 @@ def _log_theta_and_complement(eps: jax.Array, r: jax.Array) -> tuple[jax.Array, 
     limits (θ = 0 or 1, infinite inputs), so gradients stay finite there.
     """
     lt, lc, _, _, _ = _log_theta_impl(eps, r)
-    return jax.lax.optimization_barrier((lt, lc))
+    return one_output(lt, lc)
 
 
 @_log_theta_and_complement.defjvp
 def _log_theta_jvp(primals, tangents):
     eps, r = primals
     eps_dot, r_dot = tangents
-    # The barrier stops XLA from duplicating the (large) primal computation into each
-    # consumer fusion, which made compile times grow steeply with the number of uses.
-    lt, lc, a, log_qb, ok = jax.lax.optimization_barrier(_log_theta_impl(eps, r))
+    # One stacked output stops XLA from splitting or duplicating the (large) primal
+    # computation into each consumer fusion (compile times grew steeply with the uses).
+    lt, lc, a, log_qb, ok = _log_theta_impl(eps, r)
+    lt, lc, a, log_qb = one_output(lt, lc, a, log_qb)
     e_s = jnp.where(ok, eps, 0.0)
     good = ok & jnp.isfinite(lt)
     lt_s = jnp.where(good, lt, 0.0)
@@ -313,4 +314,4 @@ def _log_theta_slope(eps, r):
     lt_s = jnp.where(good, lt, 0.0)
     e_s = jnp.where(ok, eps, 0.0)
     slope = jnp.where(good, -jnp.exp(jnp.minimum(e_s + log_qb - lt_s, 700.0)), 0.0)
-    return lt, slope
+    return one_output(lt, slope)

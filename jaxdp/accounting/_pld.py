@@ -38,9 +38,13 @@ an upper bound on the true ε(δ). Where the grid cannot certify δ (the mass it
 +∞ exceeds it) the RDP accountant's ε is returned instead (``fallback="rdp"``, the
 default; eagerly with a ``UserWarning`` naming it); :func:`pld_epsilon_source` says which.
 
-Lower bound (``estimate="lower"``): privacy buckets rounded down (Meiser & Mohammadi
-2018), composed in the same tilted domain; what the circular convolution folds in is
-subtracted (Chernoff bounds), and the round-off bound too.
+Lower bound (``estimate="lower"``): a dominated discrete pair, composed in the same tilted
+domain; what the circular convolution folds in is subtracted (Chernoff bounds), and the
+round-off bound too. For Gaussian and Poisson-sampled Gaussian mechanisms each bucket
+(ε_i - h/2 + s, ε_i + h/2 + s] is merged (a post-processing; its loss log(P(B)/Q(B)) lies in
+the bucket) and placed at ε_i where that loss is certified ≥ ε_i, else at ε_{i-1}: the loss
+drops by about s ∈ {h/64, h/16} (chosen per mechanism) instead of h/2; for the other
+kinds privacy buckets rounded down (Meiser & Mohammadi 2018).
 
 Defaults: ``grid_size`` :data:`PLD_GRID_SIZE` = 2^14 = 16384 bins, ``tail_bound``
 :data:`PLD_TAIL_BOUND` = 1e-6 (the plan leaves min(tail_bound, 1e-4·δ) outside the grid).
@@ -271,7 +275,8 @@ def pld_epsilon(event, delta, *, grid_size: int = PLD_GRID_SIZE, tail_bound: flo
         each mechanism's grid (default 1e-6; the plan uses min(tail_bound, 1e-4·δ)); the
         mass actually outside is certified and added to δ.
       estimate: ``"upper"`` (default, a certified upper bound on ε) or ``"lower"`` (a
-        certified lower bound, privacy buckets rounded down).
+        certified lower bound from a dominated discrete pair: merged buckets for Gaussian
+        and Poisson-sampled Gaussian mechanisms, privacy buckets rounded down otherwise).
       fallback: ``"rdp"`` (default): where the PLD grid cannot certify δ (the mass it
         places at +∞ exceeds it), the upper bound is the RDP accountant's ε (also
         certified; eagerly a ``UserWarning`` says so); ``"none"``: +inf there (eagerly a

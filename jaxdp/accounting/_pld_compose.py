@@ -147,7 +147,7 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n):
         for kd, p_, k, (b, _) in zip(kinds, params, ks, ranges[d]):
             o1 = jnp.floor(b / h1)
             grid = (o1 + j1) * h1
-            p, _ = masses(kd, p_, grid, h1, d, "upper", _cut(o1, ranges[d][len(parts)][1], h1, n1))
+            p = masses(kd, p_, grid, h1, d, "upper", _cut(o1, ranges[d][len(parts)][1], h1, n1))[0]
             logp = jnp.where(p > 0, jnp.log(jnp.where(p > 0, p, 1.0)), -jnp.inf)
             lam_mgf = lam_mgf + k * _lse(logp[None, :], thetas[:, None] * grid[None, :])
             neg_mgf = neg_mgf + k * _lse(logp[None, :], -thetas[:, None] * grid[None, :])
@@ -254,9 +254,21 @@ def compose(kinds, params, counts, n, tau, estimate, query, what):
         lam = jnp.minimum(lam, 600.0 / w_all)
         # The window: the top at the Chernoff point, unless the span is shorter than W (then
         # the window is extended below; for δ(ε), the bottom stays just below ε).
-        # Privacy buckets round each loss down, by h/2 on average: the lower bound's
-        # composed loss sits about Σ_c k_c h/2 lower.
-        shift = sum(jnp.where(jnp.isfinite(k), k, 0.0) for k in counts) * h / 2 if estimate == "lower" else 0.0
+        # Each mechanism's grid and masses (the grid depends on the spacing only).
+        mech = []
+        for kd, p_, k in zip(kinds, params, counts):
+            b1, t1 = jax.lax.stop_gradient(_single_range(kd, p_, direction, z))
+            o = jnp.floor(b1 / h)
+            grid = (o + j) * h
+            # The grid ends at the mechanism's planned top (as in the plan): above it the
+            # moment generating function would be dominated by far tails that cost little δ.
+            mech.append((o, grid) + tuple(masses(kd, p_, grid, h, direction, estimate, _cut(o, t1, h, n))))
+        # The lower bound lowers each loss, by the estimated mean decrease (h/2 for privacy
+        # buckets rounded down, less for merged buckets): its composed loss sits about
+        # Σ_c k_c·decrease lower, and so does its window.
+        shift = 0.0
+        if estimate == "lower":
+            shift = h * sum(jnp.where(jnp.isfinite(k), k, 0.0) * m[4] for k, m in zip(counts, mech))
         if what == "delta":  # keep ε inside the window
             shift = jnp.minimum(shift, jnp.maximum(top_need - bottom_need - 2.0 * h, 0.0))
         a0 = jnp.ceil((top_need - jax.lax.stop_gradient(shift)) / h) - (n - 1)
@@ -271,14 +283,8 @@ def compose(kinds, params, counts, n, tau, estimate, query, what):
         log_mgf = jnp.zeros(thetas.shape)
         neg_mgf = jnp.zeros(thetas.shape)
         norm_term = jnp.zeros(())
-        for kd, p_, k in zip(kinds, params, counts):
+        for k, (o, grid, p, p_inf, *_) in zip(counts, mech):
             kf = jnp.where(jnp.isfinite(k), k, 0.0)
-            b1, t1 = jax.lax.stop_gradient(_single_range(kd, p_, direction, z))
-            o = jnp.floor(b1 / h)
-            grid = (o + j) * h
-            # The grid ends at the mechanism's planned top (as in the plan): above it the
-            # moment generating function would be dominated by far tails that cost little δ.
-            p, p_inf = masses(kd, p_, grid, h, direction, estimate, _cut(o, t1, h, n))
             logp = jnp.where(p > 0, jnp.log(jnp.where(p > 0, p, 1.0)), -jnp.inf)
             a = _lse(logp, lam * grid)
             pt = jnp.exp(jnp.where(p > 0, logp + lam * grid - a, -jnp.inf))

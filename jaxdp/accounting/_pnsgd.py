@@ -13,6 +13,7 @@ inversions per position live in ``_pnsgd_invert.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -32,6 +33,7 @@ from ._conversion import rdp_to_epsilon
 from ._events import PNSGD
 from ._iteration import _linear_eps_masked, _pabi_coefficient, _sc_coefficient, stop_pnsgd_iteration_rdp
 from ._pnsgd_invert import _contraction_eps_grid, _gdp_eps
+from ._pnsgd_poisson import event_rdp
 from ._rdp import DEFAULT_ORDERS
 from ._shifted import _log_contraction, _shifted_energy
 
@@ -287,6 +289,13 @@ def pnsgd_privacy(
     * ``strongly_convex`` and ``shifted_gdp``: +inf (not derived for random stopping);
       ``best``: the minimum of the three.
 
+    ``event.sampling="poisson"`` (T = ``num_steps`` steps on Poisson samples at rate q, cut
+    to ``max_batch_size``, sum divided by b; add/remove neighbours): every record gets the
+    same ε. ``iteration`` is the hidden-state bound of :func:`poisson_pnsgd_rdp` (shifted
+    Rényi divergence with the noise split, flat in T after a burn-in), ``composition`` the
+    T sampled Gaussian steps composed (RDP, converted with :func:`rdp_to_epsilon`),
+    ``best`` their minimum; the other fields +inf (the fixed-order analyses do not apply).
+
     RDP bounds are converted with the improved conversion optimised over continuous α
     (:func:`linear_rdp_epsilon`). The ε values are rounded up (bisection returns the
     certified end of its bracket). For the last record the best bound equals the exact
@@ -358,6 +367,8 @@ _WARN_LEVEL = 4
 def run_privacy(event: PNSGD, delta, *, positions=None, strongly_convex_form: str = "proposition1",
                 orders=DEFAULT_ORDERS) -> PNSGDPrivacy:
     """:func:`pnsgd_privacy` of a record (no deprecation door; the accountants call this)."""
+    if event.sampling == "poisson":
+        return _poisson_privacy(event, delta, positions, orders)
     if event.relation != "replace_one":
         raise ValueError(f"the PNSGD analyses cover relation 'replace_one' only; got relation {event.relation!r}.")
     if event.schedule == "random_stop":
@@ -371,6 +382,27 @@ def run_privacy(event: PNSGD, delta, *, positions=None, strongly_convex_form: st
     comp = out.composition
     none = jnp.where(jnp.isnan(comp), jnp.nan, jnp.inf)  # not certified when every iterate is released
     return out._replace(contraction=none, iteration=none, strongly_convex=none, shifted_gdp=none, best=comp)
+
+
+def _poisson_privacy(event: PNSGD, delta, positions, orders) -> PNSGDPrivacy:
+    """Poisson batches (see :func:`pnsgd_privacy`): every record alike; ``iteration`` is the hidden-state bound."""
+    _validate.check_delta(delta)
+    orders = _validate.concrete_orders(orders)
+    n = event.num_records
+    if positions is None:
+        pos = jnp.arange(1, n + 1, dtype=jnp.float64)
+    else:
+        check_positions(positions, n)
+        pos = f64(positions)
+    ones = jnp.ones(jnp.shape(pos))
+    comp = rdp_to_epsilon(event_rdp(dataclasses.replace(event, hidden=False), orders), orders, delta).epsilon * ones
+    none = jnp.where(jnp.isnan(comp), jnp.nan, jnp.inf)
+    if not event.hidden:
+        return PNSGDPrivacy(positions=pos, contraction=none, iteration=none, strongly_convex=none, composition=comp,
+                            best=comp, shifted_gdp=none)
+    hid = rdp_to_epsilon(event_rdp(event, orders), orders, delta).epsilon * ones
+    return PNSGDPrivacy(positions=pos, contraction=none, iteration=hid, strongly_convex=none, composition=comp,
+                        best=jnp.minimum(hid, comp), shifted_gdp=none)
 
 
 def stop_geometry(num_records: int, batch_size: int) -> tuple[int, int]:

@@ -12,6 +12,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .. import _validate
 from .._deprecations import warn_old_signature
@@ -19,11 +20,15 @@ from .._numerics import f64, float64
 from .._program_cache import persistent
 from .._validate import check_integer, check_learning_rate, check_positions, is_int, nan_unless
 from ._contraction import _SAFETY_REL, _batch_geometry, _pnsgd_setup, _safe_target
+from . import _pnsgd_poisson
 from ._events import PNSGD
 from ._hockey_stick import _log_theta_and_complement
 from ._iteration import _linear_eps_masked, _pabi_coefficient, _sc_coefficient
 from ._pnsgd import _ANALYSES, _SC_FORMS, _composition_r, _contraction_factor, _shifted_mu
+from ._rdp import DEFAULT_ORDERS
 from ._solve import implicit_root, search_decreasing
+
+DEFAULT_ORDERS_NP = np.asarray(DEFAULT_ORDERS, np.float64)
 
 __all__ = ["calibrate_pnsgd_noise_std"]
 
@@ -147,6 +152,10 @@ def calibrate_pnsgd_noise_std(
     :math:`dσ^* = -∂h\cdot d(\ldots)/∂_σ h` with h its constraint (log δ(ε) − log δ, or
     ε(σ) − ε).
 
+    An event with ``sampling="poisson"`` is calibrated on its own bound (every record alike,
+    ``analysis="best"`` or ``"composition"``): eagerly, on geometric grids of σ, returning a
+    σ at which ε was evaluated and met the target (values only; traced inputs raise).
+
     Assumptions: as :func:`pnsgd_privacy` (convex, L-Lipschitz, β-smooth, ρ-strongly
     convex loss; η ≤ 2/(β+ρ); hidden intermediate iterates; fixed order).
 
@@ -189,6 +198,12 @@ def calibrate_pnsgd_noise_std(
     if old_keywords:
         raise TypeError("calibrate_pnsgd_noise_std(epsilon, delta, event): the run's constants come from the record; "
                         f"got also {', '.join(sorted(old_keywords))}.")
+    if event.sampling == "poisson":
+        if analysis not in ("best", "composition") or positions is not None:
+            raise ValueError("with sampling='poisson' every record alike: calibrate_pnsgd_noise_std takes "
+                             f"analysis='best' or 'composition' and positions=None; got analysis={analysis!r}.")
+        return _pnsgd_poisson.calibrate_event(epsilon, delta, event, DEFAULT_ORDERS_NP,
+                                              analysis if event.hidden else "composition")
     if event.schedule != "fixed":
         raise ValueError("calibrate_pnsgd_noise_std covers schedule='fixed'; got schedule='random_stop' (calibrate "
                          "with pnsgd_privacy(event, delta) over the noise instead).")

@@ -12,6 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from .._numerics import one_output
 from .._program_cache import persistent
 from ._contraction import _eps_bracket, _safe_target
 from ._hockey_stick import _LOG_SQRT_2PI, _log_theta_impl, _log_theta_slope
@@ -51,7 +52,7 @@ def _theta_partials(eps, r):
     e_s = jnp.where(ok, eps, 0.0)
     d_eps = jnp.where(good, -jnp.exp(jnp.minimum(e_s + log_qb - lt_s, 700.0)), 0.0)
     d_r = jnp.where(good, jnp.exp(jnp.minimum(-0.5 * a * a - _LOG_SQRT_2PI - lt_s, 700.0)), 0.0)
-    return lt, d_eps, d_r
+    return one_output(lt, d_eps, d_r)
 
 
 def _tangent(x, d):

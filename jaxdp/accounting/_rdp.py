@@ -13,7 +13,6 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from scipy import special as _sp
 
 from .. import _validate
 from .._numerics import crvz_weights, f64, float64, log_expm1, log_ndtr, read_only, signed_logsumexp, take
@@ -117,6 +116,8 @@ class _Plan:
 
 def _log_abs_comb(alpha: np.ndarray, i: np.ndarray) -> np.ndarray:
     """log |C(α, i)| via log-gamma (gammaln returns log|Γ| for negative non-integers)."""
+    from scipy import special as _sp  # lazy: ~0.3 s of import, needed only to build a plan (tracing)
+
     return _sp.gammaln(alpha + 1.0) - _sp.gammaln(i + 1.0) - _sp.gammaln(alpha - i + 1.0)
 
 
@@ -150,6 +151,8 @@ def _int_buckets(ints: np.ndarray) -> list[np.ndarray]:
 
 @functools.lru_cache(maxsize=64)
 def _plan(orders_key: tuple[float, ...]) -> _Plan:
+    from scipy import special as _sp  # lazy (see _log_abs_comb): a warm untraced call never needs it
+
     orders = np.asarray(orders_key, dtype=np.float64)
     is_int = orders == np.floor(orders)
     groups = []

@@ -50,7 +50,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from scipy import special as _sp
 
 from .. import _validate
 from .._numerics import f64, float64, take
@@ -195,6 +194,8 @@ register_event_type(TruncatedPoissonSampled, relation=_relation, check=_check_tr
 
 
 def _log_comb(n, k):
+    from scipy import special as _sp  # lazy: ~0.3 s of import, needed only when tracing
+
     return _sp.gammaln(n + 1.0) - _sp.gammaln(k + 1.0) - _sp.gammaln(n - k + 1.0)
 
 

@@ -93,7 +93,7 @@ def _mu(event: Event, path: str):
     if isinstance(event, Composed):
         parts = [_mu(e, f"{path}.events[{i}]") for i, e in enumerate(event.events)]
         return jnp.sqrt(sum(p**2 for p in parts))
-    if isinstance(event, PNSGD) and event.schedule == "fixed":
+    if isinstance(event, PNSGD) and event.schedule == "fixed" and event.sampling == "sequential":
         if event.relation != "replace_one":
             raise ValueError(f"{path}: the PNSGD analyses cover relation 'replace_one' only; got {event.relation!r}.")
         if event.hidden:
@@ -109,7 +109,8 @@ def _mu(event: Event, path: str):
         return jnp.where(_pnsgd_step_ok(event), mu, jnp.nan)
     raise ValueError(
         f"{path}: {type(event).__name__} has no Gaussian-DP parameter in jaxdp (only Gaussian mechanisms, their "
-        "compositions and fixed-order PNSGD do); use accountant='pld' or 'rdp'."
+        "compositions and fixed-order PNSGD do; PNSGD with Poisson batches has an RDP curve); use accountant='pld' or "
+        "'rdp'."
     )
 
 

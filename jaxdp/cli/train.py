@@ -47,6 +47,14 @@ def add_parser(sub) -> None:
                         "--noise-multiplier is relative to C, as in Opacus) or dpsbcd (block coordinate descent of a "
                         "bias-free Lipschitz ReLU network, --model mlp; Chen & Liu 2024's hidden-state bound, which "
                         "sums the layers without proof; needs --noise-temperature and --contraction)")
+    p.add_argument("--sampler", choices=("poisson", "truncated-poisson", "fixed-size", "balls-in-bins", "shuffle"),
+                   default="poisson",
+                   help="--algorithm dpsgd: the batch scheme (default poisson; the epsilon is always the scheme's): "
+                        "truncated-poisson (needs --max-batch-size), fixed-size (without replacement, replace-one "
+                        "neighbours), balls-in-bins or shuffle (no amplification certified: the report says so first); "
+                        "--batch-size sets the (expected) batch")
+    p.add_argument("--max-batch-size", "--max-batch", type=int, default=None, metavar="B", dest="max_batch_size",
+                   help="--sampler truncated-poisson: the cap on a batch (records beyond it are dropped)")
     p.add_argument("--model", choices=_MODELS, default="softmax",
                    help="softmax (default), logistic (odd vs even digit) or mlp (one hidden layer of 128)")
     p.add_argument("--passes", type=int, default=None,
@@ -203,6 +211,7 @@ def run(args) -> int:
             _check_writable(args.plot)
         if args.checkpoint_dir is not None:  # a file, or a read-only folder, fails now, not after a pass
             check_out_dir(args.checkpoint_dir, "--checkpoint-dir")
+        _sampler(args)  # argument errors before any work
         sbcd = {}
         if args.algorithm == "dpsbcd":
             sbcd, passes = _dpsbcd_options(args, passes)
@@ -218,7 +227,7 @@ def run(args) -> int:
         if args.algorithm == "dpsbcd":
             mechanism = DPSBCDMechanism(**common, **sbcd)
         elif args.algorithm == "dpsgd":
-            mechanism = DPSGDMechanism(**common, **noise, passes=passes)
+            mechanism = DPSGDMechanism(**common, **noise, passes=passes, sampler=_sampler(args))
         else:
             mechanism = PNSGDMechanism(**common, **noise, passes=passes, radius=args.radius,
                                        schedule=args.schedule.replace("-", "_"))
@@ -249,6 +258,9 @@ def run(args) -> int:
         "train_seconds": res.seconds, "total_seconds": total,
     }
     if args.algorithm == "dpsgd":
+        payload["sampler"] = args.sampler
+        payload["note"] = rep.note
+    if args.algorithm == "dpsgd":
         plot = None  # epsilon is the same for every record: nothing to plot
         lines = _dpsgd_lines(ds, args, res, rep, led, total)
     elif args.algorithm == "dpsbcd":
@@ -275,6 +287,8 @@ def run(args) -> int:
         print(json.dumps(payload, allow_nan=True))
         return _write_plot(plot, rep, title)
     head = [_NOT_PRIVATE] if led.fixed_noise_seed else []
+    if getattr(rep, "note", None):  # a batch scheme without certified amplification says so before any epsilon
+        head.append(rep.note)
     head.append(f"guarantee of the released model: epsilon = {_f(worst)} at delta = {rep.delta:g} for every record "
                 f"(worst case), by {rep.analysis}")
     print("\n".join(head + lines))  # the results first: a failed plot must not lose them
@@ -282,6 +296,22 @@ def run(args) -> int:
     if plot and status == 0:
         print(f"wrote {plot}")
     return status
+
+
+def _sampler(args):
+    """DP-SGD's sampler from --sampler and --max-batch (None: Poisson, as without the option)."""
+    if args.algorithm != "dpsgd" and args.sampler != "poisson":
+        raise _Usage(f"--sampler {args.sampler} needs --algorithm dpsgd")
+    if (args.max_batch_size is not None) != (args.sampler == "truncated-poisson"):
+        raise _Usage("--sampler truncated-poisson needs --max-batch-size, and --max-batch-size needs --sampler "
+                     "truncated-poisson")
+    if args.max_batch_size is not None and args.max_batch_size < 1:
+        raise _Usage(f"--max-batch-size must be an integer >= 1; got {args.max_batch_size}")
+    if args.sampler == "poisson":
+        return None
+    from ..training import samplers
+
+    return samplers.by_name(args.sampler, **({"max_batch_size": args.max_batch_size} if args.max_batch_size else {}))
 
 
 def _noise(args) -> dict:
@@ -343,7 +373,8 @@ def _dpsgd_lines(ds, args, res, rep, led, total) -> list[str]:
     return [
         f"  assumptions: {rep.reason}",
         (f"DP-SGD on {ds.name} ({len(ds.x_train)} train / {len(ds.x_test)} test), {args.model} model, {led.passes} "
-         f"pass(es) = {led.total_steps} steps of expected batch {led.batch_size} (q = {led.q:.4g})"),
+         f"pass(es) = {led.total_steps} steps of expected batch {led.batch_size} (q = {led.q:.4g}), "
+         f"{args.sampler} batches"),
         (f"  learning rate={led.learning_rate}, noise multiplier={led.noise_multiplier:g} (relative to C, as in "
          f"Opacus), C={led.clip_norm:.4g}, delta={led.delta:g}"),
         f"test accuracy: {100 * res.test_accuracy:.1f} %   (training {res.seconds:.1f} s, total {total:.1f} s)",

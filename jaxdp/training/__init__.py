@@ -114,3 +114,7 @@ from ._parallel import parallel_clipped_grad_sum as parallel_clipped_grad_sum  #
 from ._parallel import replicate as replicate  # noqa: E402
 
 __all__ += ["data_parallel_mesh", "parallel_clipped_grad_sum", "replicate"]
+
+from . import samplers as samplers  # noqa: E402 (DP-SGD's batch schemes: DPSGDMechanism(sampler=...))
+
+__all__ += ["samplers"]

@@ -137,12 +137,18 @@ def clipped_grad_sum(loss_fn: LossFn, model_or_params, batch, clip_norm, *,
     (a contraction of the input's last axes with the kernel's first ones: :math:`a_t` the
     flattened contracted axes), and ``nnx.Einsum`` whose contraction is a sum of outer
     products (per group of kernel axes shared by input and output, such as heads).
-    Parameters held by any other module (``nnx.LayerNorm``, ``nnx.RMSNorm``, ``nnx.LoRA``
-    adapters, another ``nnx.Einsum``, a user's layer) get their
+    ``nnx.LayerNorm`` / ``nnx.RMSNorm`` have closed forms: example ``i``'s scale and bias
+    gradients are :math:`\sum_p \hat x_{i,p}\odot\delta_{i,p}` and
+    :math:`\sum_p\delta_{i,p}` over its positions (``(b, d)``, with :math:`\hat x` from one
+    forward-mode pass of the layer); ``nnx.LoRA`` adapters (:math:`xAB`) are two
+    outer-product layers, :math:`B` with inputs :math:`xA` and :math:`A` with inputs
+    :math:`x` and output gradients :math:`\delta B^\top`, each by the Gram or the
+    materialised form, whichever costs less. Parameters held by any other module (another
+    ``nnx.Einsum``, a norm layer with cross-device statistics, a user's layer) get their
     per-example gradients *per layer*: ``vmap`` over the examples of that module's own
     backward pass, from its recorded inputs and :math:`\delta`, which materialises ``b``
-    copies of that module's parameters only (cheap for norms' scales and low-rank
-    adapters). A module outside that list is named in one ``UserWarning``. Every layer must
+    copies of that module's parameters only. A module outside those named here is named
+    in one ``UserWarning``. Every layer must
     be applied exactly once to an input whose leading axis is the batch (checked at trace
     time, from shapes only); otherwise (shared or tied layers, a module holding random
     state and parameters, ...) the general ``vmap(grad)`` path runs for the whole model,

@@ -6,10 +6,15 @@ expected batch size), sums the per-example gradients clipped at :math:`C` over i
 sampling and noise keys come from the secret key; the guarantee is
 ``dpsgd_epsilon(q, ν, steps, δ)`` for every record, add/remove neighbours, every iterate
 possibly released, whatever the model (no convexity needed).
+
+With ``sampler=`` another batch scheme of :mod:`jaxdp.training.samplers` picks the batches
+(truncated Poisson, fixed size, balls-in-bins, shuffling), and the guarantee is that
+scheme's event (:meth:`~jaxdp.training.samplers.Sampler.event`), never the Poisson one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -27,8 +32,9 @@ from ._ledger import DPSGDLedger, privacy_report
 from ._parallel import replicate
 from ._per_example import _up
 from ._plan import _is_schedule, declared_loss_fn
-from ._run import FORMAT, Run, certify_noise, param_dtype
+from ._run import FORMAT, Run, calibrate_to_target, certify_noise, param_dtype
 from ._transforms import _learning_rate_fn
+from .samplers import Poisson, Sampler
 
 __all__ = ["DPSGDMechanism", "DPSGDState"]
 
@@ -43,7 +49,7 @@ _OVERFLOW = 1e-2
 
 @frozen_config
 class DPSGDMechanism:
-    r"""DP-SGD with true Poisson sampling, for any Flax NNX model (Abadi et al. 2016).
+    r"""DP-SGD with true Poisson sampling (or another ``sampler``), for any Flax NNX model (Abadi et al. 2016).
 
     Every step samples each record independently with probability :math:`q = b/N`
     (``batch_size`` is the expected batch size :math:`b`), clips the per-example gradients at
@@ -72,6 +78,14 @@ class DPSGDMechanism:
       trainable: nnx filter of the trained parameters (default every ``nnx.Param``; e.g.
         ``nnx.LoRAParam``): only these are clipped, noised and updated; the others are
         public and stay as they are.
+      sampler: the batch scheme, a :mod:`jaxdp.training.samplers` sampler (default
+        Poisson sampling at rate ``batch_size``/:math:`N`, as without it). Its sizes left
+        ``None`` come from ``batch_size``; a sampler that sets its own size takes
+        ``batch_size`` off (leave it at its default). The run's ledger, reports and
+        ``target_epsilon`` use the sampler's event
+        (:meth:`~jaxdp.training.samplers.Sampler.event`): the ε is always the scheme's;
+        a pass is the sampler's ``steps_per_pass``; the noisy sum is divided by its
+        expected batch size.
 
     Examples:
       >>> DPSGDMechanism(clip_norm=1.0, noise_multiplier=1.1, learning_rate=0.5).passes
@@ -93,6 +107,7 @@ class DPSGDMechanism:
     use_fast_path: bool | None = None
     micro_batch_size: int | None = None
     trainable: Any = nnx.Param
+    sampler: Sampler | None = None
 
     def __post_init__(self):
         _config.check_noise_or_target("DPSGDMechanism", "noise_multiplier", self.noise_multiplier, self.target_epsilon)
@@ -111,6 +126,16 @@ class DPSGDMechanism:
         _config.check_flag("use_fast_path", self.use_fast_path, allow_none=True)
         if self.micro_batch_size is not None:
             _config.check_count("micro_batch_size", self.micro_batch_size)
+        if self.sampler is not None:
+            if not isinstance(self.sampler, Sampler) or type(self.sampler) is Sampler:
+                raise ValueError("sampler must be a jaxdp.training.samplers sampler (Poisson, TruncatedPoisson, "
+                                 f"FixedSize, BallsInBins, Shuffle); got {type(self.sampler).__name__}.")
+            if self.sampler.num_records is not None:
+                raise ValueError("sampler must not be bound to a data set (the run binds it); pass it without "
+                                 "num_records.")
+            if self.batch_size != 64 and _own_size(self.sampler) is not None:
+                raise ValueError(f"batch_size={self.batch_size} and sampler={self.sampler!r} both set the batch; "
+                                 "give the size to one of them.")
 
 
 class DPSGDState(NamedTuple):
@@ -142,7 +167,8 @@ def setup(mech: DPSGDMechanism, model, x, y, x_bound, *, delta, order_seed, secr
     """DP-SGD on ``model`` and ``(x, y)``: ledger, initial state and the compiled calls."""
     n = int(x.shape[0])
     batch_size, passes, clip_norm = mech.batch_size, mech.passes, float(mech.clip_norm)
-    if batch_size > n:
+    default = mech.sampler is None or (isinstance(mech.sampler, Poisson) and mech.sampler.q is None)
+    if default and batch_size > n:
         raise ValueError(f"batch_size must be <= the number of training examples ({n}); got {batch_size}.")
     loss_fn = declared_loss_fn(model, mech.loss_fn)
     learning_rate, optimizer = mech.learning_rate, mech.optimizer
@@ -151,14 +177,18 @@ def setup(mech: DPSGDMechanism, model, x, y, x_bound, *, delta, order_seed, secr
         optimizer, learning_rate = optax.sgd(_learning_rate_fn(learning_rate)[0]), None
     elif optimizer is None:
         optimizer = optax.sgd(float(learning_rate))
-    q = batch_size / n
-    steps_per_pass = math.ceil(n / batch_size)
+    sampler, q, steps_per_pass, capacity, norm = _bind_sampler(mech.sampler, n, batch_size)
+    spec = None if isinstance(sampler, Poisson) else sampler.spec()  # Poisson: the ledger of old
+    if not default:
+        batch_size = max(1, round(sampler.expected_batch_size))
     total = passes * steps_per_pass
-    capacity = batch_capacity(n, q, overflow=_OVERFLOW)
     steps_per_call = steps_per_pass if options.steps_per_call is None else options.steps_per_call
     nu = mech.noise_multiplier
     if nu is None:
-        nu = _noise_for_target(float(mech.target_epsilon), q, total, float(delta))
+        if spec is None:
+            nu = _noise_for_target(float(mech.target_epsilon), q, total, float(delta))
+        else:
+            nu = _noise_for_sampler(float(mech.target_epsilon), sampler, total, float(delta))
         mech = replace(mech, noise_multiplier=nu, target_epsilon=None)
     nu = float(nu)
 
@@ -176,17 +206,20 @@ def setup(mech: DPSGDMechanism, model, x, y, x_bound, *, delta, order_seed, secr
         config["micro_batch_size"] = int(mech.micro_batch_size)
     if mech.trainable is not nnx.Param:
         config["trainable"] = repr(mech.trainable)
+    if not default:
+        config["sampler"] = sampler.spec()
     k_noise, k_sample = jax.random.split(secret)
-    tx = dpsgd(optimizer, nu, clip_norm, float(batch_size), k_noise)
+    tx = dpsgd(optimizer, nu, clip_norm, norm, k_noise)
+    reason = _reason(q, batch_size, n, clip_norm, nu) if spec is None else _sampler_reason(sampler, clip_norm, nu)
     ledger = DPSGDLedger(
-        analysis="dpsgd", reason=_reason(q, batch_size, n, clip_norm, nu), q=q, noise_multiplier=nu,
+        analysis="dpsgd", reason=reason, q=q, noise_multiplier=nu,
         clip_norm=clip_norm, learning_rate=None if learning_rate is None else float(learning_rate),
         batch_size=batch_size, records=n, passes=passes, steps_per_pass=steps_per_pass, total_steps=total,
         steps_done=0, capacity=capacity, delta=float(delta), order_seed=int(order_seed), fixed_noise_seed=fixed_seed,
-        max_grad_norm=0.0)
+        max_grad_norm=0.0, sampler=spec)
     # The optimizer sees the float32 (at least) clipped sum: its state in that dtype too.
     state = DPSGDState(params=params0, opt_state=tx.init(jax.tree.map(_up, params0)), step=jnp.zeros((), jnp.int32),
-                       max_grad_norm=jnp.zeros((), jnp.float32), sample_key=k_sample)
+                       max_grad_norm=jnp.zeros((), jnp.float32), sample_key=sampler.init_key(k_sample))
 
     X, Y = jnp.asarray(x, dtype=pdtype), jnp.asarray(y)
     if mesh is not None:  # data parallel: all replicated; the step splits each chunk's rows
@@ -194,10 +227,11 @@ def setup(mech: DPSGDMechanism, model, x, y, x_bound, *, delta, order_seed, secr
 
     def one(carry):
         params, opt_state, step, maxn, key = carry
-        key, k_step = jax.random.split(key)
-        params, opt_state, out = dpsgd_step(loss_fn, graphdef, rest, tx, params, opt_state, k_step, X, Y, q,
+        key, indices, size = sampler.sample(key, step)
+        params, opt_state, out = dpsgd_step(loss_fn, graphdef, rest, tx, params, opt_state, None, X, Y, q,
                                             clip_norm, capacity, use_fast_path=mech.use_fast_path, mesh=mesh,
-                                            micro_batch_size=mech.micro_batch_size, wrt=mech.trainable)
+                                            micro_batch_size=mech.micro_batch_size, wrt=mech.trainable,
+                                            batch=(indices, size))
         return params, opt_state, step + 1, jnp.maximum(maxn, out.max_grad_norm), key
 
     run_one = jax.jit(one)
@@ -237,3 +271,37 @@ def _noise_for_target(target: float, q: float, num_steps: int, delta: float) -> 
         return privacy_report(probe._replace(noise_multiplier=float(noise))).summary()["worst"]
 
     return certify_noise(worst, target, nu, "noise_multiplier")
+
+
+def _own_size(sampler: Sampler):
+    """The size a sampler sets itself (its rate, batch size or batches per epoch), or None."""
+    own = {f.name for f in dataclasses.fields(sampler)} & {"q", "batch_size", "steps_per_pass"}
+    return next((getattr(sampler, f) for f in sorted(own) if getattr(sampler, f) is not None), None)
+
+
+def _bind_sampler(sampler: Sampler | None, n: int, batch_size: int):
+    """``(bound sampler, q, steps per pass, capacity, divisor)``; Poisson from ``batch_size`` as before samplers."""
+    if sampler is None or (isinstance(sampler, Poisson) and sampler.q is None):
+        q = batch_size / n
+        return (Poisson(q).bind(n), q, math.ceil(n / batch_size), batch_capacity(n, q, overflow=_OVERFLOW),
+                float(batch_size))
+    bound = sampler.bind(n, batch_size)
+    return bound, bound.expected_batch_size / n, bound.steps_per_pass, bound.capacity, bound.expected_batch_size
+
+
+def _sampler_reason(sampler: Sampler, clip_norm, nu) -> str:
+    return (f"{sampler.describe()}; per-example clipping at C={clip_norm:g}, Gaussian noise nu*C on the sum "
+            f"(nu={nu:g}), every iterate may be released, valid for any model")
+
+
+def _noise_for_sampler(target: float, sampler: Sampler, num_steps: int, delta: float) -> float:
+    """The smallest ν (to 0.2%) whose reported ε of the sampler's event after ``num_steps`` is at most ``target``."""
+    n = sampler.num_records
+    spec = sampler.spec()
+    probe = DPSGDLedger("dpsgd", "", 0.0, 1.0, 1.0, None, 1, n, 1, num_steps, num_steps, num_steps, 1, delta, 0,
+                        False, 0.0, spec)
+
+    def worst(noise):
+        return privacy_report(probe._replace(noise_multiplier=float(noise))).summary()["worst"]
+
+    return calibrate_to_target(worst, target, 1.0, "noise_multiplier")

@@ -39,13 +39,19 @@ own use of p, so that any gradient taken through the copy has the same property.
 
 nnx.Einsum is intercepted through its ``einsum_op`` attribute when its contraction factors
 (``_ghost_norms._einsum_plan``: positions, groups such as heads, contracted and output axes).
-Layers without a formula here (nnx.LayerNorm, nnx.RMSNorm, nnx.LoRA, other nnx.Einsum
-contractions, any module holding trainable parameters directly) are recorded whole: their inputs, and δ at their
-output; example i's gradient of the layer's own parameters is then the vector-Jacobian
-product of the layer's forward pass on its inputs (a batch of one) with δ_i, vmapped over
-the examples. That materialises b copies of that layer's parameters only (the norm
-layers' scales, LoRA's low-rank adapters: few), and is exact for any layer whose output
-row i depends on input row i only. Layers outside ``_PER_LAYER`` are named in one warning.
+nnx.LayerNorm, nnx.RMSNorm and nnx.LoRA are recorded whole (their inputs, and δ at their
+output) and have closed forms (``_closed_form``): a norm layer's per-example scale and
+bias gradients are Σ_p x̂_p ⊙ δ_p and Σ_p δ_p over the example's positions, (b, d) each,
+with x̂ from one forward-mode pass of the layer on the whole batch; LoRA's adapters are two
+outer-product layers (B with inputs xA, A with inputs x and output gradients δBᵀ), whose
+norms take the Gram identity or the materialised gradient, whichever is cheaper. Other
+layers without a formula here (other nnx.Einsum contractions, a norm layer with
+cross-device statistics, any module holding trainable parameters directly) are recorded
+the same way, and example i's gradient of the layer's own parameters is the
+vector-Jacobian product of the layer's forward pass on its inputs (a batch of one) with
+δ_i, vmapped over the examples: b copies of that layer's parameters, exact for any layer
+whose output row i depends on input row i only. Layers outside ``_PER_LAYER`` are named in
+one warning.
 
 Trainable parameters are those of the ``wrt`` filter (default every ``nnx.Param``): the
 others are public constants, neither intercepted nor clipped (LoRA fine-tuning: the base
@@ -66,10 +72,11 @@ import flax
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx.nn import dtypes as _flax_dtypes
 
 from ..models import LipschitzDense
 from ._canonical_conv import _conv_with_canonical_vjp
-from ._ghost_norms import _einsum_plan, _layer_grad_sum, _layer_sq_norm
+from ._ghost_norms import _closed_grad_sum, _closed_sq_norm, _einsum_plan, _layer_grad_sum, _layer_sq_norm
 from ._per_example import _masked, _safe_clip_factor, _up, accumulation_dtype
 
 
@@ -77,11 +84,11 @@ from ._per_example import _masked, _safe_clip_factor, _up, accumulation_dtype
 _OWNED = {nnx.Linear: ("kernel", "bias"), nnx.Conv: ("kernel", "bias"), nnx.Embed: ("embedding",),
           LipschitzDense: ("kernel",), nnx.LinearGeneral: ("kernel", "bias"), nnx.LoRALinear: ("kernel", "bias")}
 
-# Layers whose per-example gradients are formed per layer (vmap over the examples of the
-# layer's own backward pass, from its recorded inputs and output gradients): their
-# parameters are few (a scale and a bias per feature; low-rank adapters), so this costs
-# about one forward pass of the layer and b copies of its parameters, not of the model's.
-# Any other module holding trainable parameters takes the same per-layer path with a warning.
+# Layers recorded whole (inputs and output gradients) without a warning: the norm layers
+# and LoRA by their closed forms (``_closed_form``), an nnx.Einsum whose contraction is not
+# factored by vmap over the examples of the layer's own backward pass (b copies of its
+# parameters, not of the model's). Any other module holding trainable parameters takes
+# that per-layer vmap with a warning.
 _PER_LAYER = (nnx.LayerNorm, nnx.RMSNorm, nnx.LoRA, nnx.Einsum)  # Einsum: when its contraction is not factored
 
 
@@ -373,10 +380,58 @@ def _per_layer_class(cls):
                                  "or returning other than one array"})
             return out
         gdef, theta, state = rec.original
-        return rec._finish(out, {"inputs": args[0], "args": tuple(args), "kwargs": kwargs, "gdef": gdef,
-                                 "theta": theta, "state": state}, live_bias=False)
+        record = {"inputs": args[0], "args": tuple(args), "kwargs": kwargs, "gdef": gdef, "theta": theta,
+                  "state": state}
+        record.update(_closed_form(cls, self, args, kwargs, out, rec.params))
+        return rec._finish(out, record, live_bias=False)
 
     return type(cls)(f"_Recording{cls.__name__}", (cls,), {"__call__": __call__, "__module__": cls.__module__})
+
+
+def _canonical_axes(axes, ndim: int) -> tuple:
+    return tuple(sorted({int(a) % ndim for a in (axes if isinstance(axes, tuple | list) else (axes,))}))
+
+
+def _closed_form(cls, m, args, kwargs, out, params) -> dict:
+    """The record's extra fields when ``m``'s per-example gradients have a closed form, else ``{}``.
+
+    ``nnx.LayerNorm`` / ``nnx.RMSNorm`` with local statistics (no ``axis_name``) and the
+    batch axis neither normalised over nor a feature axis: ``closed="norm"`` and the feature
+    axes (see ``_ghost_norms._affine_norm_grads``). ``nnx.LoRA`` with flax's dtype promotion
+    on one input ``(b, ..., d)``: ``closed="lora"`` and the adapters' values (see
+    ``_ghost_norms._lora_factors``). Anything else keeps the per-layer vmap (exact, costlier).
+    """
+    if len(args) != 1 or not isinstance(out, jax.Array) or args[0].ndim < 2:
+        return {}
+    x = args[0]
+    if cls in (nnx.LayerNorm, nnx.RMSNorm):
+        if m.axis_name is not None or out.shape != x.shape or not set(params) <= {"scale", "bias"}:
+            return {}
+        feature = _canonical_axes(m.feature_axes, x.ndim)
+        if 0 in feature or 0 in _canonical_axes(m.reduction_axes, x.ndim):
+            return {}
+        return {"closed": "norm", "feature_axes": feature}
+    if cls is nnx.LoRA:
+        if m.promote_dtype is not _flax_dtypes.promote_dtype or not set(params) <= {"lora_a", "lora_b"}:
+            return {}
+        return {"closed": "lora", "lora_ab": (m.lora_a.get_value(), m.lora_b.get_value())}
+    return {}
+
+
+def _normalised_input(rec):
+    r"""``∂y/∂scale`` of a recorded norm layer in the direction of ones: the normalised input :math:`\hat x`.
+
+    One forward-mode pass of the layer's own code on the whole batch (its dtype handling,
+    mask and variance formula included), in float32 at least; None without a trainable scale.
+    """
+    if "scale" not in rec["recorder"].params:
+        return None
+    gdef, state, kwargs = rec["gdef"], rec["state"], rec["kwargs"]
+    args = tuple(_up(a) if jnp.issubdtype(a.dtype, jnp.inexact) else a for a in rec["args"])
+    theta = jax.tree.map(_up, rec["theta"])
+    tangent = jax.tree_util.tree_map_with_path(
+        lambda kp, v: (jnp.ones_like if _state_key(kp)[-1] == "scale" else jnp.zeros_like)(v), theta)
+    return jax.jvp(lambda th: nnx.merge(gdef, th, state)(*args, **kwargs), (theta,), (tangent,))[1]
 
 
 def _record_unsupported(rec, b: int) -> str | None:
@@ -555,7 +610,7 @@ def _fast(loss_fn, model, x, y, clip_norm, calls, mask=None, wrt=nnx.Param) -> t
     probes = [jnp.zeros(shape, dtype) for shape, dtype in calls]
     registry: list = []
     build = _instrumented(graphdef, rest, registry, owners)
-    arrays_of = ("inputs", "ids", "args", "theta", "state")
+    arrays_of = ("inputs", "ids", "args", "theta", "state", "lora_ab")
 
     def f(p, probes_):
         registry.clear()
@@ -572,7 +627,9 @@ def _fast(loss_fn, model, x, y, clip_norm, calls, mask=None, wrt=nnx.Param) -> t
     records = [{**rec, "inputs": _up(rec["inputs"])} if "inputs" in rec else rec for rec in records]
     sq, per_example = None, []
     for rec, delta in zip(records, deltas, strict=True):
-        if "gdef" in rec:
+        if "closed" in rec:
+            term, pe = _closed_sq_norm(rec, delta, _normalised_input(rec) if rec["closed"] == "norm" else None)
+        elif "gdef" in rec:
             pe = jax.tree.map(_up, _per_layer_grads(rec, delta))
             term = sum(jnp.sum(jnp.square(v).reshape(v.shape[0], -1), axis=1) for v in jax.tree.leaves(pe))
         else:
@@ -584,7 +641,9 @@ def _fast(loss_fn, model, x, y, clip_norm, calls, mask=None, wrt=nnx.Param) -> t
     factor = jax.lax.stop_gradient(_masked(factor, mask))
     sums = {}
     for rec, delta, pe in zip(records, deltas, per_example, strict=True):
-        if "gdef" in rec:
+        if "closed" in rec:
+            layer_sums = _closed_grad_sum(rec, pe, factor)
+        elif "gdef" in rec:
             flat = jax.tree_util.tree_flatten_with_path(pe)[0]
             layer_sums = {_state_key(kp)[-1]: jnp.tensordot(factor.astype(v.dtype), v, axes=1) for kp, v in flat}
         else:

@@ -378,3 +378,110 @@ def _einsum_grad_sum(rec, delta: jax.Array, weights: jax.Array) -> dict:
         result["bias"] = jnp.sum(wd.reshape(b * math.prod(wd.shape[1:1 + n_p]), -1), axis=0).reshape(
             params["bias"].shape)
     return result
+
+
+def _affine_norm_grads(rec, delta: jax.Array, xhat: jax.Array | None) -> dict:
+    r"""Per-example gradients of an ``nnx.LayerNorm`` / ``nnx.RMSNorm``'s scale and bias, in closed form.
+
+    The layer's output is :math:`y_p = \hat x_p \odot s + \beta` at every position ``p``
+    (token, pixel) of an example, with :math:`\hat x` the normalised input, so example
+    ``i``'s gradients are sums over its positions,
+
+    .. math:: \partial\ell_i/\partial s = \sum_p \hat x_{i,p}\odot\delta_{i,p},\qquad
+              \partial\ell_i/\partial\beta = \sum_p \delta_{i,p},
+
+    ``(b, d)`` each: the size of the result, no copy of anything larger (Ba et al., 2016,
+    "Layer Normalization", eq. 4; Zhang & Sennrich, 2019, "Root Mean Square Layer
+    Normalization", eq. 4).
+
+    Args:
+      rec: the layer's record (``feature_axes``: its feature axes, canonical, without the batch axis 0).
+      delta: output gradients, the output's shape ``(b, ...)``.
+      xhat: :math:`\partial y/\partial s` in the direction of ones (the normalised input,
+        the output's shape), or None when the scale is not trainable.
+
+    Returns:
+      ``{"scale": (b, *scale.shape), "bias": (b, *bias.shape)}`` for the trainable ones.
+    """
+    b = delta.shape[0]
+    feature = rec["feature_axes"]
+    summed = tuple(ax for ax in range(1, delta.ndim) if ax not in feature)
+    out = {}
+    for attr, value in rec["recorder"].params.items():
+        term = delta if attr == "bias" else xhat.astype(delta.dtype) * delta
+        out[attr] = jnp.sum(term, axis=summed).reshape(b, *value.shape)
+    return out
+
+
+def _lora_factors(rec, delta: jax.Array) -> dict:
+    r"""The (inputs, output gradients) of an ``nnx.LoRA``'s two adapters: both are outer-product layers.
+
+    For ``out = x A B`` (``A``: ``d×r``, ``B``: ``r×e``) at positions ``t`` with output
+    gradients :math:`\delta_t`, example ``i``'s gradients are
+
+    .. math:: \partial\ell_i/\partial B = \sum_t (x_t A)\,\delta_t^\top,\qquad
+              \partial\ell_i/\partial A = \sum_t x_t\,(B\delta_t)^\top,
+
+    so the adapter ``B`` is a dense layer with inputs ``xA`` (b, T, r) and ``A`` one with
+    inputs ``x`` (b, T, d) and output gradients :math:`\delta B^\top` (b, T, r): their
+    norms by the Gram identity or the materialised gradient, whichever is cheaper
+    (:func:`_sq_norm_and_grads`; Hu et al., 2022, "LoRA", eq. 3; Li et al., 2022, "Large
+    Language Models Can Be Strong Differentially Private Learners", §4).
+
+    Returns:
+      ``{attr: (a, g)}`` for the trainable adapters (``lora_a``, ``lora_b``).
+    """
+    lora_a, lora_b = rec["lora_ab"]
+    x = rec["inputs"]
+    b = x.shape[0]
+    dtype = jnp.result_type(x.dtype, delta.dtype, lora_a.dtype, lora_b.dtype)
+    hi = jax.lax.Precision.HIGHEST
+    x = x.reshape(b, -1, x.shape[-1]).astype(dtype)
+    g = delta.reshape(b, x.shape[1], -1).astype(dtype)
+    out = {}
+    params = rec["recorder"].params
+    if "lora_b" in params:
+        out["lora_b"] = (jnp.einsum("btd,dr->btr", x, lora_a.astype(dtype), precision=hi), g)
+    if "lora_a" in params:
+        out["lora_a"] = (x, jnp.einsum("bte,re->btr", g, lora_b.astype(dtype), precision=hi))
+    return out
+
+
+def _closed_sq_norm(rec, delta: jax.Array, xhat: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    """``(squared norms (b,), per-example parts)`` of a layer with a closed form (norms, LoRA).
+
+    The parts are, per trainable parameter, ``("grad", (b, *shape))`` when the per-example
+    gradient is formed (cheap: a norm layer's, a low-rank adapter's when ``T·d·r`` is below
+    the Gram cost) or ``("outer", (a, g))`` for the Gram identity (the clipped sum
+    contracts ``a`` with the weighted ``g``).
+    """
+    b = delta.shape[0]
+    if rec["closed"] == "norm":
+        parts = {k: ("grad", v) for k, v in _affine_norm_grads(rec, delta, xhat).items()}
+    else:
+        parts = {}
+        for attr, (a, g) in _lora_factors(rec, delta).items():
+            sq_k, w = _sq_norm_and_grads(a, g)
+            parts[attr] = ("grad", w) if w is not None else ("outer", (a, g), sq_k)
+    sq = None
+    for part in parts.values():
+        term = part[2] if part[0] == "outer" else jnp.sum(jnp.square(part[1]).reshape(b, -1), axis=1)
+        sq = term if sq is None else sq + term
+    return sq, parts
+
+
+def _closed_grad_sum(rec, parts: dict, weights: jax.Array) -> dict:
+    r""":math:`\sum_i w_i \partial\ell_i/\partial\theta` of a layer with a closed form, from its parts."""
+    hi = jax.lax.Precision.HIGHEST
+    out = {}
+    for attr, part in parts.items():
+        shape = rec["recorder"].params[attr].shape
+        if part[0] == "grad":
+            v = part[1]
+            out[attr] = jnp.tensordot(weights.astype(v.dtype), v.reshape(v.shape[0], -1), axes=1,
+                                      precision=hi).reshape(shape)
+        else:
+            a, g = part[1]
+            wg = weights.astype(g.dtype)[:, None, None] * g
+            out[attr] = jnp.einsum("btd,bte->de", a, wg, precision=hi).reshape(shape)
+    return out

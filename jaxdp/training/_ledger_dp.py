@@ -23,8 +23,10 @@ from ..accounting import (
     dpsgd_event,
     epsilon,
     rdp_to_epsilon,
+    shuffled_lower_epsilon,
 )
 from ._report import PrivacyReport
+from .samplers import from_spec
 
 __all__ = ["DPSBCDLedger", "DPSGDLedger"]
 
@@ -61,6 +63,11 @@ class DPSGDLedger(NamedTuple):
       fixed_noise_seed: ``True`` when the noise and the sampling came from a fixed seed
         (then **not private**).
       max_grad_norm: the largest unclipped per-example gradient norm seen so far.
+      sampler: the batch scheme other than Poisson sampling, as
+        :meth:`jaxdp.training.samplers.Sampler.spec` (bound to the data set), or ``None``
+        for Poisson sampling. Then the guarantee is that sampler's event
+        (:meth:`~jaxdp.training.samplers.Sampler.event`), ``q`` is the expected batch over
+        :math:`N` and ``batch_size`` the expected batch rounded.
     """
 
     analysis: str
@@ -80,6 +87,7 @@ class DPSGDLedger(NamedTuple):
     order_seed: int
     fixed_noise_seed: bool
     max_grad_norm: float
+    sampler: dict | None = None
 
     unused = 0  # every record can be sampled
 
@@ -92,18 +100,27 @@ class DPSGDLedger(NamedTuple):
         return self.public()
 
     def event(self, num_steps: int | None = None):
-        """The accounting event after ``num_steps`` steps (default: the steps done): ``dpsgd_event(q, ν, steps)``."""
-        return dpsgd_event(self.q, self.noise_multiplier, self.steps_done if num_steps is None else int(num_steps))
+        """The accounting event after ``num_steps`` steps (default: the steps done).
+
+        ``dpsgd_event(q, ν, steps)`` for Poisson sampling, else the sampler's
+        (:meth:`jaxdp.training.samplers.Sampler.event`).
+        """
+        steps = self.steps_done if num_steps is None else int(num_steps)
+        if self.sampler is None:
+            return dpsgd_event(self.q, self.noise_multiplier, steps)
+        return from_spec(self.sampler).event(self.noise_multiplier, steps, self.records)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> DPSGDLedger:
-        """Inverse of :meth:`to_json`."""
-        return cls(**{k: data[k] for k in cls._fields})
+        """Inverse of :meth:`to_json` (a ledger written before samplers has ``sampler=None``)."""
+        return cls(**{k: data[k] for k in cls._fields if k in data or k != "sampler"})
 
 
 def _dpsgd_report(ledger: DPSGDLedger, accountant: str = "rdp") -> PrivacyReport:
     if accountant not in ("rdp", "pld"):
         raise ValueError(f"accountant must be 'rdp' or 'pld'; got {accountant!r}.")
+    if ledger.sampler is not None:
+        return _sampler_report(ledger, accountant)
     n = ledger.records
     positions = np.arange(1, n + 1)
     eps = float(dpsgd_epsilon(ledger.q, ledger.noise_multiplier, ledger.steps_done, ledger.delta)) \
@@ -117,6 +134,37 @@ def _dpsgd_report(ledger: DPSGDLedger, accountant: str = "rdp") -> PrivacyReport
         by = {"dpsgd (sampled Gaussian PLD, upper bound)": values, **by}
     return PrivacyReport(_DPSGD, ledger.reason, ledger.delta, ledger.steps_done, positions, values, values, None,
                          by, 0, True, bool(ledger.fixed_noise_seed))
+
+
+def _sampler_report(ledger: DPSGDLedger, accountant: str) -> PrivacyReport:
+    """The report of a DP-SGD run with another batch scheme: the sampler's event, the same for every record."""
+    sampler = from_spec(ledger.sampler)
+    n, done = ledger.records, ledger.steps_done
+    ev = ledger.event()
+    eps = float(epsilon(ev, ledger.delta)) if done > 0 else 0.0
+    by = {f"dpsgd, {sampler.name} (RDP)": np.full(n, eps)}
+    if accountant == "pld":
+        try:
+            eps_pld = float(epsilon(ev, ledger.delta, accountant="pld")) if done > 0 else 0.0
+        except (ValueError, TypeError, NotImplementedError):
+            raise ValueError(f"accountant='pld' does not cover the {sampler.name} batch scheme's event; use "
+                             "accountant='rdp'.") from None
+        by = {f"dpsgd, {sampler.name} (PLD, upper bound)": np.full(n, eps_pld), **by}
+    values = next(iter(by.values()))
+    note = sampler.note
+    passes = done // sampler.steps_per_pass if sampler.name == "shuffle" else 0
+    if passes > 0:
+        # What shuffling costs at least (Chua et al. 2024): a lower bound on every valid ε of
+        # the completed passes (the max-coordinate statistic does not depend on the batch
+        # sizes); shown beside the reported upper bound, never as the reported ε.
+        low = float(shuffled_lower_epsilon(ledger.noise_multiplier, sampler.steps_per_pass, passes, ledger.delta))
+        by[_SHUFFLE_LOWER] = np.full(n, low)
+        note = f"{note}; shuffling costs at least epsilon = {low:.4g} here ({_SHUFFLE_LOWER})"
+    return PrivacyReport(f"{_DPSGD} ({sampler.name})", ledger.reason, ledger.delta, done, np.arange(1, n + 1),
+                         values, values, None, by, 0, True, bool(ledger.fixed_noise_seed), note)
+
+
+_SHUFFLE_LOWER = "lower bound, Chua et al. 2024"
 
 
 # ----------------------------------------------------------------------------------------

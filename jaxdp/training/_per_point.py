@@ -155,6 +155,13 @@ def per_point_clipped_norms(loss_fn: Callable, model: nnx.Module, data, clip_nor
 # ----------------------------------------------------------------------------------------
 
 
+def _check_poisson(ledger: DPSGDLedger, where) -> None:
+    """Per-instance accounting analyses Poisson sampling only: refuse another batch scheme in one line."""
+    if ledger.sampler is not None:
+        raise ValueError(f"{str(where)!r} holds a DP-SGD run with {ledger.sampler.get('name')} batches: per-instance "
+                         "accounting covers Poisson sampling only (the run's own report gives its epsilon).")
+
+
 class CheckpointNorms(NamedTuple):
     """Per-point clipped norms at the checkpoints of a DP-SGD run.
 
@@ -243,6 +250,7 @@ def clipped_norms_at_checkpoints(model: nnx.Module, data, checkpoint_dir, *, los
             raise ValueError(f"checkpoint_dir {str(checkpoint_dir)!r} does not hold a DP-SGD run of this jaxdp "
                              "(train(..., DPSGDMechanism(...))): per-instance accounting needs its ledger.")
         ledger = DPSGDLedger.from_json(meta["ledger"])
+        _check_poisson(ledger, checkpoint_dir)
         loss_fn = declared_loss_fn(model, loss_fn)
         graphdef, params0, rest = nnx.split(model, nnx.Param, ...)
         if _param_signature(params0) != config.get("params"):
@@ -411,6 +419,7 @@ def per_point_privacy(norms: CheckpointNorms, *, delta: float | None = None, ord
     r = np.asarray(norms.r, np.float64)
     if r.ndim != 2 or r.shape[1] != ck.size:
         raise ValueError(f"r must have shape (records, {ck.size}), one column per checkpoint; got {r.shape}.")
+    _check_poisson(ledger, "norms.ledger")
     q, nm = float(ledger.q), float(ledger.noise_multiplier)
     release = privacy_report(ledger._replace(delta=delta))
 

@@ -40,6 +40,8 @@ class PrivacyReport(NamedTuple):
       not_private: True when the run's noise came from a fixed, known ``noise_seed``
         (:attr:`PrivacyLedger.fixed_noise_seed`): the ε values then hold only if that seed
         is secret, and the report says so first.
+      note: a line the table leads with (after the not-private warning), or ``None``: a
+        DP-SGD run whose batch scheme has no certified amplification says so before any ε.
     """
 
     analysis: str
@@ -54,6 +56,7 @@ class PrivacyReport(NamedTuple):
     unused: int
     exact: bool
     not_private: bool = False
+    note: str | None = None
 
     def summary(self, values: np.ndarray | None = None) -> dict[str, float]:
         """Best (smallest), median and worst (largest) ε over the positions."""
@@ -97,6 +100,8 @@ class PrivacyReport(NamedTuple):
         head = (f"epsilon = {_fmt(self.summary()['worst'])} at delta = {self.delta:g} for every record (worst "
                 f"position), by {self.analysis}\n"
                 f"epsilon per record position at delta={self.delta:g} {run}; reported: {self.analysis}")
+        if self.note:
+            head = f"{self.note}\n{head}"
         if self.not_private:
             head = f"{NOT_PRIVATE}\n{head}"
         tail = [f"reason: {self.reason}"]

@@ -7,6 +7,8 @@ computed independently of the second-order program.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -38,7 +40,10 @@ def test_second_derivative_matches_central_differences_x64_on(name):
     f, rtol = CASES[name]
     with jax.enable_x64(True):
         want = _central_difference(f, SIGMA)
-        for second in (jax.grad(jax.grad(f)), jax.hessian(f)):
+        # jax.hessian (forward over reverse) is a second program of the same derivative:
+        # checked with JAXDP_SLOW=1; CI checks grad(grad(f)).
+        forms = (jax.grad(jax.grad(f)), jax.hessian(f)) if os.environ.get("JAXDP_SLOW") else (jax.grad(jax.grad(f)),)
+        for second in forms:
             got = float(second(SIGMA))
             assert np.isfinite(got)
             assert got == pytest.approx(want, rel=rtol)

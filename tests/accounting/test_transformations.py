@@ -168,6 +168,19 @@ CASES.update({
     "shuffled_event": (lambda x: A.epsilon(A.shuffled_event(x, 3), 1e-5, orders=ORD), 1.3),
     "random_allocation_rdp": (lambda x: A.random_allocation_rdp(ORD, 50, x)[-1], 1.3),
     "balls_in_bins_event": (lambda x: A.epsilon(A.balls_in_bins_event(x, 50, 3), 1e-5, orders=ORD), 1.3),
+    "shuffled_lower_epsilon": (lambda x: A.shuffled_lower_epsilon(x, 100, 1, 1e-5), 1.3),
+    # dp_accounting parity events (x: p = x/4 of randomized response, ρ = x/8, the tree's σ;
+    # powers of two: the user's own division runs in float32 with x64 off).
+    "RandomizedResponse": (lambda x: A.epsilon(A.SelfComposed(A.RandomizedResponse(x / 4.0, 3), 10), 1e-5,
+                                               orders=ORD), 1.3),
+    "ZCDP": (lambda x: A.epsilon(A.ZCDP(x / 8.0, 0.01), 1e-5, orders=ORD), 1.3),
+    "SingleEpochTreeAggregation": (lambda x: A.epsilon(A.SingleEpochTreeAggregation(x, (16, 5)), 1e-5, orders=ORD),
+                                   1.3),
+    # PNSGD with Poisson batches (x: σ; the shift branch is the minimum at T = 3,000).
+    "poisson_pnsgd_rdp": (lambda x: A.poisson_pnsgd_rdp(ORD, 0.01, 1.0, 0.0, 0.5, x, 1.0, 10.0, 3000,
+                                                        num_records=1000)[-1], 1.3),
+    "poisson_pnsgd_epsilon": (lambda x: A.poisson_pnsgd_epsilon(1e-5, 0.01, 1.0, 0.0, 0.5, x, 1.0, 10.0, 3000,
+                                                                num_records=1000, orders=ORD), 1.3),
     "dpsbcd_rdp": (lambda x: A.dpsbcd_rdp(ORD, (0.01, 0.02, 0.01), learning_rate=0.05, sensitivity=x,
                                           contraction=0.97, prox_lipschitz=1.0, num_records=12, batch_size=3)[-1], 1.3),
     "dpsbcd_rdp_per_batch": (lambda x: A.dpsbcd_rdp_per_batch(ORD, (0.01, 0.02, 0.01), learning_rate=0.05,

@@ -15,7 +15,8 @@ from flax import nnx
 
 from jaxdp.data import from_arrays
 from jaxdp.models import MLP, softmax_cross_entropy_loss
-from jaxdp.training import DPSGDMechanism, RunOptions, clipped_grad_sum, dpsgd, dpsgd_step, train
+from jaxdp.training import (DPSGDMechanism, RunOptions, clipped_grad_sum, dpsgd, dpsgd_step, fast_path_supported,
+                             train)
 from jaxdp.training import _transforms
 
 # float32: the micro-batched and one-batch clipped sums differ in the order of ~100 additions.
@@ -49,6 +50,50 @@ def test_micro_batched_update_equals_one_batch_update(capacity, micro):
     assert int(out1.batch_size) == int(out2.batch_size) > 0
     assert int(out2.chunks) == -(-int(out2.batch_size) // micro)
     assert float(out1.max_grad_norm) == pytest.approx(float(out2.max_grad_norm), rel=F32_TOL)
+    for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(acc), strict=True):
+        np.testing.assert_allclose(b, a, rtol=F32_TOL, atol=F32_TOL)
+
+
+class _TinyEncoder(nnx.Module):
+    """LayerNorm, LoRA-adapted attention projection, RMSNorm and a head on (b, T, d) inputs:
+    the closed-form layers of the fast path (norm layers, LoRA adapters) and the ghost norms."""
+
+    def __init__(self, rngs):
+        self.ln = nnx.LayerNorm(6, rngs=rngs)
+        self.proj = nnx.LoRALinear(6, 8, lora_rank=2, rngs=rngs)
+        self.rms = nnx.RMSNorm(8, rngs=rngs)
+        self.head = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.rms(jax.nn.gelu(self.proj(self.ln(x))))
+        return self.head(h.mean(axis=1))
+
+
+@pytest.mark.parametrize("wrt", ["all", "adapters"])
+def test_micro_batched_update_equals_one_batch_update_transformer_layers(wrt):
+    """The same equality on a model of LayerNorm / LoRALinear / RMSNorm over sequences (all
+    parameters, or the LoRA adapters only): 1e-6 in float32 with the same keys."""
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(90, 5, 6)).astype(np.float32))
+    y = jnp.asarray(rng.integers(0, 3, size=90))
+    model = _TinyEncoder(nnx.Rngs(4))
+    model.proj.lora.lora_b.set_value(jnp.asarray(rng.normal(size=(2, 8)).astype(np.float32)))  # B = 0 at init
+    trainable = nnx.Param if wrt == "all" else nnx.LoRAParam
+    graphdef, params, rest = nnx.split(model, trainable, ...)
+    q, clip = 0.4, 0.3
+    tx = dpsgd(optax.sgd(0.3), 1.1, clip, q * x.shape[0], jax.random.key(3))
+    key = jax.random.key(8)
+
+    def step(p, s, k, mb):
+        return dpsgd_step(softmax_cross_entropy_loss, graphdef, rest, tx, p, s, k, x, y, q, clip, 64,
+                          micro_batch_size=mb, wrt=trainable)
+
+    assert fast_path_supported(softmax_cross_entropy_loss, model, (x[:4], y[:4]), wrt=trainable)
+    one, _, out1 = jax.jit(lambda p, s, k: step(p, s, k, None))(params, tx.init(params), key)
+    acc, _, out2 = jax.jit(lambda p, s, k: step(p, s, k, 11))(params, tx.init(params), key)
+    assert int(out1.batch_size) == int(out2.batch_size) > 0
+    assert float(out1.max_grad_norm) == pytest.approx(float(out2.max_grad_norm), rel=F32_TOL)
+    assert float(out1.max_grad_norm) > clip  # some examples are clipped
     for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(acc), strict=True):
         np.testing.assert_allclose(b, a, rtol=F32_TOL, atol=F32_TOL)
 
@@ -96,6 +141,25 @@ def test_bfloat16_model_float32_norms_sum_and_noise(monkeypatch):
                                                 x16, y, 0.2, 0.5, 32, micro_batch_size=8))(params, opt_state)
     assert drawn and set(drawn) == {jnp.dtype(jnp.float32)}, drawn
     assert {leaf.dtype for leaf in jax.tree.leaves(new)} == {jnp.dtype(jnp.bfloat16)}  # the user's dtype kept
+
+
+def test_bfloat16_norm_and_lora_layers_float32_norms():
+    """The closed forms of LayerNorm / RMSNorm / LoRA on a bfloat16 model: float32 norms and
+    sums, equal to the float32 model's with the same weights to bfloat16 rounding."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.normal(size=(12, 5, 6)).astype(np.float32)).astype(jnp.bfloat16)
+    y = jnp.asarray(rng.integers(0, 3, size=12))
+    model32 = _TinyEncoder(nnx.Rngs(5))
+    model32.proj.lora.lora_b.set_value(jnp.asarray(rng.normal(size=(2, 8)).astype(np.float32)))
+    state = jax.tree.map(lambda p: p.astype(jnp.bfloat16).astype(jnp.float32), nnx.state(model32, nnx.Param))
+    nnx.update(model32, state)
+    model16 = _TinyEncoder(nnx.Rngs(5))
+    nnx.update(model16, jax.tree.map(lambda p: p.astype(jnp.bfloat16), state))
+    out = clipped_grad_sum(softmax_cross_entropy_loss, model16, (x, y), 0.5)
+    ref = clipped_grad_sum(softmax_cross_entropy_loss, model32, (x.astype(jnp.float32), y), 0.5)
+    assert out.norms.dtype == jnp.float32
+    assert {leaf.dtype for leaf in jax.tree.leaves(out.grad_sum)} == {jnp.dtype(jnp.float32)}
+    np.testing.assert_allclose(out.norms, ref.norms, rtol=3e-2)  # bfloat16 activations: 2^-8, a few times over
 
 
 def test_bfloat16_training_runs():

@@ -301,3 +301,134 @@ def test_transformer_encoder_takes_the_fast_path_for_every_layer(fresh_warnings)
     assert len(calls) == len(layers) + len(per_layer) == 2 + 2 * (2 + 4 + 2) + 2
     _check(model, x, y)
     assert not [w for w in fresh_warnings if issubclass(w.category, UserWarning)]
+
+
+@pytest.fixture
+def per_layer_calls(monkeypatch):
+    """The layer types whose per-example gradients went through the per-layer vmap."""
+    seen = []
+    inner = _ghost._per_layer_grads
+
+    def spy(rec, delta):
+        seen.append(rec["recorder"].layer.split(" ")[0])
+        return inner(rec, delta)
+
+    monkeypatch.setattr(_ghost, "_per_layer_grads", spy)
+    return seen
+
+
+class _NormShapes(nnx.Module):
+    """Norm layers over several feature / reduction layouts on (b, T, H, W) inputs."""
+
+    def __init__(self, h, w, rngs):
+        self.ln_last = nnx.LayerNorm(w, rngs=rngs, **F64)
+        self.ln_two = nnx.LayerNorm(h * w, feature_axes=(-2, -1), reduction_axes=(-2, -1), rngs=rngs, **F64)
+        self.ln_wide = nnx.LayerNorm(w, reduction_axes=(-2, -1), rngs=rngs, **F64)  # stats over (H, W), scale per W
+        self.ln_noscale = nnx.LayerNorm(w, use_scale=False, use_fast_variance=False, rngs=rngs, **F64)
+        self.rms = nnx.RMSNorm(w, epsilon=1e-3, rngs=rngs, **F64)
+        self.lin = nnx.Linear(w, 1, rngs=rngs, **F64)
+
+    def __call__(self, x):
+        h = jnp.tanh(self.ln_last(x)) + 0.5 * self.ln_two(x * 1.3)
+        h = jnp.sin(self.ln_wide(h)) + self.ln_noscale(h) * x
+        return self.lin(self.rms(h + 0.2 * x)).sum(axis=(1, 2, 3))
+
+
+def _perturb_norms(model, seed):
+    """Norm layers start at scale 1, bias 0: give every one random values (a generic point)."""
+    rng = np.random.default_rng(seed)
+    for _, m in nnx.iter_modules(model):
+        for attr in ("scale", "bias"):
+            var = getattr(m, attr, None) if isinstance(m, nnx.LayerNorm | nnx.RMSNorm) else None
+            if var is not None:
+                var.set_value(jnp.asarray(rng.normal(size=var.shape)))
+    return model
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_norm_layers_closed_form_random_shapes(seed, per_layer_calls):
+    """LayerNorm / RMSNorm scale and bias gradients from x̂ ⊙ δ and δ summed over positions, on
+    random batch, sequence and feature sizes: the float64 loop reference to 1e-10, no per-layer vmap."""
+    rng = np.random.default_rng(100 + seed)
+    b, t, h, w = (int(v) for v in rng.integers(2, 6, 4))
+    model = _perturb_norms(_NormShapes(h, w, nnx.Rngs(seed)), seed)
+    x, y = _data(b, (t, h, w), seed=seed)
+    _check(model, x, y)
+    assert per_layer_calls == []
+
+
+def test_norm_layers_frozen_scale_or_bias(per_layer_calls):
+    """Only the trainable half of a norm layer is counted (the other is a public constant)."""
+    model = _perturb_norms(_Norms(5, nnx.Rngs(0)), 0)
+    x, y = _data(4, (3, 5), seed=9)
+    for keep in ("scale", "bias"):
+        wrt = nnx.All(nnx.Param, nnx.Any(nnx.PathContains(keep), nnx.PathContains("lin")))
+        out = _check(model, x, y, wrt=wrt)
+        assert {k[-1] for k, _ in nnx.to_flat_state(out.grad_sum) if k[0] != "lin"} == {keep}
+    assert per_layer_calls == []
+
+
+class _LoraSeq(nnx.Module):
+    def __init__(self, d, e, rank, rngs):
+        self.lora = nnx.LoRA(d, rank, e, rngs=rngs, **F64)
+        self.lora_linear = nnx.LoRALinear(e, e, lora_rank=rank, lora_param_dtype=jnp.float64, rngs=rngs, **F64)
+        self.head = nnx.Linear(e, 1, rngs=rngs, **F64)
+
+    def __call__(self, x):
+        return self.head(jnp.tanh(self.lora_linear(jnp.tanh(self.lora(x))))).sum(axis=(1, 2))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_lora_closed_form_random_shapes_and_ranks(seed, per_layer_calls):
+    """Adapters A, B as outer-product layers (grad_B = (xA)ᵀδ, grad_A = xᵀ(δBᵀ)) on random
+    widths, ranks and sequence lengths, both norm branches; the float64 reference to 1e-10."""
+    rng = np.random.default_rng(200 + seed)
+    d, e = (int(v) for v in rng.integers(8, 40, 2))
+    rank = int(rng.integers(1, 6))
+    t = int(rng.integers(1, 9))
+    model = _perturb_lora(_LoraSeq(d, e, rank, nnx.Rngs(seed)), seed)
+    x, y = _data(3, (t, d), seed=seed)
+    for wrt in (nnx.LoRAParam, nnx.Param):
+        out = _check(model, x, y, wrt=wrt)
+        assert len(jax.tree.leaves(out.grad_sum)) == (4 if wrt is nnx.LoRAParam else 4 + 4)
+    assert per_layer_calls == []
+
+
+@pytest.mark.parametrize("t,d,e,rank", [(2, 32, 32, 4), (6, 32, 32, 4), (1, 9, 7, 3)])
+def test_lora_gram_and_materialised_branches(t, d, e, rank, per_layer_calls):
+    """T(d+r) < d·r takes the Gram identity for A (and T(r+e) < r·e for B), else the
+    per-example adapter gradients are formed; T = 1 is a product of norms."""
+    from jaxdp.training._ghost_norms import _materialises
+
+    assert _materialises(t, d, rank) == (t > 2)
+    model = _perturb_lora(_LoraSeq(d, e, rank, nnx.Rngs(t)), t)
+    x, y = _data(4, (t, d), seed=t + d)
+    _check(model, x, y, wrt=nnx.LoRAParam)
+    assert per_layer_calls == []
+
+
+def test_unknown_layer_still_per_layer(per_layer_calls, fresh_warnings):
+    """The closed forms leave a layer without one on the per-layer vmap (and its warning)."""
+    model = _MixedSupport(nnx.Rngs(1))
+    x, y = _data(4, (3, 6), seed=5)
+    _check(model, x, y, fast=False)
+    assert set(per_layer_calls) == {"ScaleShift"}
+
+
+class _LoraFlat(nnx.Module):
+    def __init__(self, rngs):
+        self.body = nnx.LoRALinear(7, 5, lora_rank=3, lora_param_dtype=jnp.float64, rngs=rngs, **F64)
+        self.ln = nnx.LayerNorm(5, rngs=rngs, **F64)
+        self.head = nnx.Linear(5, 1, rngs=rngs, **F64)
+
+    def __call__(self, x):
+        return self.head(self.ln(jnp.tanh(self.body(x))))
+
+
+def test_lora_and_layer_norm_on_flat_inputs(per_layer_calls):
+    """(b, d) inputs (one position per example: the norms are products of norms)."""
+    model = _perturb_norms(_perturb_lora(_LoraFlat(nnx.Rngs(3)), 3), 3)
+    x, y = _data(5, (7,), seed=11)
+    for wrt in (nnx.LoRAParam, nnx.Param):
+        _check(model, x, y, wrt=wrt)
+    assert per_layer_calls == []
