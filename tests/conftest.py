@@ -124,12 +124,12 @@ SLOW_IN_CI = {
     # stays; the even split and batches of one are the same theorem on simpler sizes.
     "tests/accounting/test_pnsgd_record.py::test_random_stop_with_batches_is_the_theorems_with_batches_as_steps[8-4]",
     "tests/accounting/test_pnsgd_record.py::test_random_stop_with_batches_is_the_theorems_with_batches_as_steps[7-1]",
-    # Samplers' train-target-resume runs: shuffle (per-pass permutation keys, the note, the
-    # bisected target) and fixed size (per-step keys, the replace-one event) stay; Poisson's
-    # resume has its own tests, balls-in-bins shares shuffle's per-pass keys, truncated
-    # Poisson shares fixed size's per-step keys.
+    # Samplers' train-target-resume runs: shuffle (per-pass permutation keys, the note and
+    # lower bound, the bisected target) and balls-in-bins (random allocation's event) stay;
+    # Poisson's resume has its own tests, fixed size and truncated Poisson share per-step
+    # keys and their events are checked against dp_accounting in tests/accounting.
     "tests/training/test_samplers.py::test_run_reaches_target_reports_its_scheme_and_resumes_bit_identically[poisson]",
-    "tests/training/test_samplers.py::test_run_reaches_target_reports_its_scheme_and_resumes_bit_identically[balls-in-bins]",
+    "tests/training/test_samplers.py::test_run_reaches_target_reports_its_scheme_and_resumes_bit_identically[fixed-size]",
     "tests/training/test_samplers.py::test_run_reaches_target_reports_its_scheme_and_resumes_bit_identically[truncated-poisson]",
 }
 

@@ -14,7 +14,7 @@ the amplification); they come from the run's secret key.
 * :class:`FixedSize`: ``batch_size`` uniform records without (or with) replacement;
   replace-one; ``SampledWithoutReplacement`` (``SampledWithReplacement``).
 * :class:`BallsInBins`: each pass (epoch), each record in one uniformly random of the
-  ``steps_per_pass`` batches; replace-one; for now no amplification (one Gaussian per pass).
+  ``steps_per_pass`` batches; add/remove-one; ``balls_in_bins_event`` (random allocation).
 * :class:`Shuffle`: each pass, a uniform permutation cut into batches of ``batch_size`` (the
   last one smaller); replace-one; ``shuffled_event`` (no amplification).
 
@@ -53,6 +53,7 @@ from ..accounting import (
     SampledWithReplacement,
     SelfComposed,
     TruncatedPoissonSampled,
+    balls_in_bins_event,
     dpsgd_event,
     shuffled_event,
 )
@@ -339,18 +340,20 @@ class BallsInBins(Sampler):
 
     Batches have Binomial(N, 1/t) sizes (padded, overflow in a second chunk, nothing
     dropped); the assignment of an epoch comes from the sampling key folded with the epoch
-    (the state's key never changes: resume is exact). Event, for now: the certified bound
-    without amplification (each record in exactly one step per epoch, replace-one: the
-    Gaussian mechanism of multiplier ν/2 composed over the epochs started, as
-    :func:`~jaxdp.accounting.shuffled_event`). Random-allocation accounting (Feldman &
-    Shenfeld 2025; Chua et al., AISTATS 2025) would amplify it.
+    (the state's key never changes: resume is exact). Event:
+    :func:`~jaxdp.accounting.balls_in_bins_event` over the epochs started (add/remove-one
+    neighbours; a record's bin does not depend on the other records, so adding one moves
+    nobody): random allocation of each record to one of t steps, certified in both
+    directions by :func:`~jaxdp.accounting.random_allocation_rdp` (Feldman & Shenfeld 2025;
+    Chua et al., AISTATS 2025). A started epoch counts whole: its first steps are a
+    post-processing of the whole epoch's release.
 
     Attributes:
       steps_per_pass: t ≥ 1; ``None``: ⌈N/b⌉.
     """
 
     name: ClassVar[str] = "balls-in-bins"
-    relation: ClassVar[str] = "replace_one"
+    relation: ClassVar[str] = "add_remove"
     steps_per_pass: int | None = None
 
     def __post_init__(self):
@@ -378,15 +381,12 @@ class BallsInBins(Sampler):
 
     def event(self, noise_multiplier, num_steps, dataset_size=None):
         epochs = -(-int(num_steps) // int(self.steps_per_pass))
-        # LEAD (s11-alloc): replace the next line by the random-allocation event (k = 1 of t
-        # steps per epoch, composed over `epochs`) once jaxdp/accounting/_allocation.py is merged.
-        return shuffled_event(noise_multiplier, epochs)
-
-    note: ClassVar[str] = NO_AMPLIFICATION.format(what="balls-in-bins batches")
+        return balls_in_bins_event(noise_multiplier, int(self.steps_per_pass), epochs)
 
     def describe(self):
         return (f"balls-in-bins batches, {self.steps_per_pass} per epoch of {self.num_records} records, "
-                f"replace-one neighbours: {_ONCE}")
+                "add/remove neighbours: each record in one uniformly random step per epoch (random "
+                "allocation, both directions certified)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -236,18 +236,22 @@ def test_run_reaches_target_reports_its_scheme_and_resumes_bit_identically(name,
         assert eps_int == pytest.approx(_dpa_epsilon(name, n, nu, led.total_steps, bound.steps_per_pass), rel=1e-6)
     lines = rep.table().splitlines()
     assert lines[0].startswith("NOT PRIVATE")  # a fixed noise seed
-    if name in ("shuffle", "balls-in-bins"):
+    if name == "shuffle":
         assert "no amplification is certified; ε below is the bound without amplification" in lines[1]
-        if name == "shuffle":  # and what shuffling costs at least (Chua et al. 2024), below the bound
-            low = rep.by_analysis["lower bound, Chua et al. 2024"][0]
-            assert 0 < low < eps
-            assert float(A.shuffled_lower_epsilon(nu, bound.steps_per_pass, 2, 1e-5)) == low
-            assert lines[1].endswith(f"shuffling costs at least epsilon = {low:.4g} here (lower bound, Chua et al. 2024)")
-        assert lines[1].startswith({"shuffle": "shuffled batches", "balls-in-bins": "balls-in-bins batches"}[name])
+        # and what shuffling costs at least (Chua et al. 2024), below the bound
+        low = rep.by_analysis["lower bound, Chua et al. 2024"][0]
+        assert 0 < low < eps
+        assert float(A.shuffled_lower_epsilon(nu, bound.steps_per_pass, 2, 1e-5)) == low
+        assert lines[1].endswith(f"shuffling costs at least epsilon = {low:.4g} here (lower bound, Chua et al. 2024)")
+        assert lines[1].startswith("shuffled batches")
         assert "Poisson" not in rep.table()
         assert lines[2].startswith(f"epsilon = {eps:.4g}")
     else:
         assert lines[1].startswith(f"epsilon = {eps:.4g}")
+    if name == "balls-in-bins":  # random allocation: amplified, below the same noise without amplification
+        assert eps == pytest.approx(float(A.epsilon(A.balls_in_bins_event(nu, bound.steps_per_pass, 2), 1e-5)),
+                                    rel=1e-12)
+        assert eps < float(A.epsilon(A.shuffled_event(nu, 2), 1e-5))
     if name != "poisson":
         assert name in rep.analysis and led.sampler == bound.spec()
     assert (whole.test_accuracy or 0) > 0.1  # it trained
