@@ -1,0 +1,87 @@
+r"""Closed-form per-example gradients of norm layers and LoRA adapters: what a recorded call needs.
+
+``nnx.LayerNorm`` / ``nnx.RMSNorm`` (scale and bias gradients per example are sums over
+positions of :math:`\hat x \odot \delta` and :math:`\delta`) and ``nnx.LoRA`` (two
+outer-product layers) are recorded whole by :mod:`jaxdp.training._ghost`; this module decides
+whether a call has a closed form and computes the normalised input :math:`\hat x`. The norms
+and sums themselves are in :mod:`jaxdp.training._ghost_norms`. Calls without a closed form
+take :func:`_per_layer_grads`, the per-layer vmap of the module's own backward pass.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import dtypes as _flax_dtypes
+
+from ._per_example import _up
+
+
+def _state_key(key_path) -> tuple:
+    return tuple(k.key for k in key_path if isinstance(k, jax.tree_util.DictKey))
+
+
+def _canonical_axes(axes, ndim: int) -> tuple:
+    return tuple(sorted({int(a) % ndim for a in (axes if isinstance(axes, tuple | list) else (axes,))}))
+
+
+def _closed_form(cls, m, args, kwargs, out, params) -> dict:
+    """The record's extra fields when ``m``'s per-example gradients have a closed form, else ``{}``.
+
+    ``nnx.LayerNorm`` / ``nnx.RMSNorm`` with local statistics (no ``axis_name``) and the
+    batch axis neither normalised over nor a feature axis: ``closed="norm"`` and the feature
+    axes (see ``_ghost_norms._affine_norm_grads``). ``nnx.LoRA`` with flax's dtype promotion
+    on one input ``(b, ..., d)``: ``closed="lora"`` and the adapters' values (see
+    ``_ghost_norms._lora_factors``). Anything else keeps the per-layer vmap (exact, costlier).
+    """
+    if len(args) != 1 or not isinstance(out, jax.Array) or args[0].ndim < 2:
+        return {}
+    x = args[0]
+    if cls in (nnx.LayerNorm, nnx.RMSNorm):
+        if m.axis_name is not None or out.shape != x.shape or not set(params) <= {"scale", "bias"}:
+            return {}
+        feature = _canonical_axes(m.feature_axes, x.ndim)
+        if 0 in feature or 0 in _canonical_axes(m.reduction_axes, x.ndim):
+            return {}
+        return {"closed": "norm", "feature_axes": feature}
+    if cls is nnx.LoRA:
+        if m.promote_dtype is not _flax_dtypes.promote_dtype or not set(params) <= {"lora_a", "lora_b"}:
+            return {}
+        return {"closed": "lora", "lora_ab": (m.lora_a.get_value(), m.lora_b.get_value())}
+    return {}
+
+
+def _normalised_input(rec):
+    r"""``∂y/∂scale`` of a recorded norm layer in the direction of ones: the normalised input :math:`\hat x`.
+
+    One forward-mode pass of the layer's own code on the whole batch (its dtype handling,
+    mask and variance formula included), in float32 at least; None without a trainable scale.
+    """
+    if "scale" not in rec["recorder"].params:
+        return None
+    gdef, state, kwargs = rec["gdef"], rec["state"], rec["kwargs"]
+    args = tuple(_up(a) if jnp.issubdtype(a.dtype, jnp.inexact) else a for a in rec["args"])
+    theta = jax.tree.map(_up, rec["theta"])
+    tangent = jax.tree_util.tree_map_with_path(
+        lambda kp, v: (jnp.ones_like if _state_key(kp)[-1] == "scale" else jnp.zeros_like)(v), theta)
+    return jax.jvp(lambda th: nnx.merge(gdef, th, state)(*args, **kwargs), (theta,), (tangent,))[1]
+
+
+def _per_layer_grads(rec, delta):
+    """Per-example gradients of one per-layer module's own parameters: vmap of its backward pass.
+
+    Example ``i``'s gradient is the vector-Jacobian product of the module's forward pass on
+    its recorded inputs (a batch of one) with its output gradients ``δ_i``: exact for a
+    module whose output row ``i`` depends on input row ``i`` only (the loss's assumption).
+    """
+    gdef, kwargs, state = rec["gdef"], rec["kwargs"], rec["state"]
+
+    def one(args_i, delta_i):
+        def f(theta):
+            return nnx.merge(gdef, theta, state)(*(a[None] for a in args_i), **kwargs)
+
+        out, pull = jax.vjp(f, rec["theta"])
+        return pull(delta_i[None].astype(out.dtype))[0]
+
+    return jax.vmap(one)(rec["args"], delta)
