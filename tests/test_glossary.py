@@ -38,8 +38,6 @@ GLOSSARY = {
     "max_batch_size",
     # balls-in-bins / random allocation: steps of one pass; which direction of the divergence
     "steps_per_pass", "direction",
-    # shuffling: batches (steps) per pass of a random permutation
-    "num_batches",
     # dp_accounting parity events: randomized response, zCDP, tree aggregation
     "noise_parameter", "num_buckets", "rho", "xi", "step_counts",
     # PNSGD with Poisson batches: how batches are drawn, fractions of the noise variance spent on the shift

@@ -6,7 +6,7 @@ This module bounds ε from **below**: no valid analysis of the scheme can report
 
 The construction (Chua, Ghazi, Kamath, Kumar, Manurangsi, Sinha, Zhang, ICML 2024, Section 4;
 reconstructed here under jaxdp's replace-one relation, see ``docs/batch_schemes.md``). One
-pass cuts a uniformly random permutation of the n records into T = ``num_batches`` batches.
+pass cuts a uniformly random permutation of the n records into T = ``steps_per_pass`` batches.
 Take a one-dimensional model whose per-record clipped gradient is −C for every record but
 one, which is +C in D and −C in the neighbour D' (replace-one; n is public). The noisy batch
 sums (noise σC per coordinate) are then, after subtracting the public −C·|B_t| and dividing
@@ -248,11 +248,11 @@ def _one(sigma, t, passes, target):
 
 
 @float64
-def shuffled_lower_epsilon(noise_multiplier, num_batches, passes, delta) -> jax.Array:
+def shuffled_lower_epsilon(noise_multiplier, steps_per_pass, passes, delta) -> jax.Array:
     r"""A certified lower bound on ε of shuffled DP-SGD (Chua et al. 2024): no analysis can report less.
 
     For ``passes`` E passes, each a fresh uniformly random permutation cut into T =
-    ``num_batches`` batches, with Gaussian noise of standard deviation σC on each batch's
+    ``steps_per_pass`` batches, with Gaussian noise of standard deviation σC on each batch's
     sum of gradients clipped to C, and replace-one neighbours (n public), every valid
     (ε, δ) guarantee of the released noisy batch sums has ε at least
 
@@ -271,7 +271,7 @@ def shuffled_lower_epsilon(noise_multiplier, num_batches, passes, delta) -> jax.
     Args:
       noise_multiplier: σ > 0, the noise standard deviation over the clip norm C (as for
         :func:`dpsgd_event`; the replace-one sensitivity of a batch sum is 2C).
-      num_batches: T ≥ 1, the batches (steps) of one pass.
+      steps_per_pass: T ≥ 1, the batches (steps) of one pass.
       passes: E ≥ 1, the number of passes, each with a fresh permutation.
       delta: δ in (0, 1).
 
@@ -294,12 +294,12 @@ def shuffled_lower_epsilon(noise_multiplier, num_batches, passes, delta) -> jax.
       (3.134, True)
     """
     _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True)
-    _validate.check_integer("num_batches", num_batches, lo=1.0)
+    _validate.check_integer("steps_per_pass", steps_per_pass, lo=1.0)
     _validate.check_integer("passes", passes, lo=1.0, hi=2.0**_POW_BITS - 1.0)
     _validate.check_delta(delta)
-    _validate.check_broadcastable(noise_multiplier=noise_multiplier, num_batches=num_batches, passes=passes,
+    _validate.check_broadcastable(noise_multiplier=noise_multiplier, steps_per_pass=steps_per_pass, passes=passes,
                                   delta=delta)
-    return _batch(*(f64(x) for x in (noise_multiplier, num_batches, passes, delta)))
+    return _batch(*(f64(x) for x in (noise_multiplier, steps_per_pass, passes, delta)))
 
 
 @jax.jit

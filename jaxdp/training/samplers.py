@@ -266,28 +266,17 @@ class TruncatedPoisson(Sampler):
 
 
 @dataclasses.dataclass(frozen=True)
-class FixedSize(Sampler):
-    r"""``batch_size`` records drawn uniformly every step, without (default) or with replacement.
+class _FixedBatch(Sampler):
+    """A sampler whose steps take ``batch_size`` records each (the last of a pass may take fewer):
+    the size checks, the binding and the shapes that :class:`FixedSize` and :class:`Shuffle` share.
+    Replace-one neighbours (n public)."""
 
-    Events (replace-one neighbours, N public; the clipped sum moves by 2C, hence ν/2):
-    ``SampledWithoutReplacement(N, b, Gaussian(ν/2, "replace_one"))`` (Wang, Balle &
-    Kasiviswanathan 2019, Thm 27) or ``SampledWithReplacement(N, b, Gaussian(ν/2,
-    "replace_one"))`` (a record drawn k times counts k times), composed over the steps.
-
-    Attributes:
-      batch_size: b in [1, N]; ``None``: the mechanism's.
-      replace: draw with replacement.
-    """
-
-    name: ClassVar[str] = "fixed-size"
     relation: ClassVar[str] = "replace_one"
     batch_size: int | None = None
-    replace: bool = False
 
     def __post_init__(self):
         if self.batch_size is not None:
             check_count("batch_size", self.batch_size)
-        check_flag("replace", self.replace)
 
     def _bind(self, n, batch_size):
         b = int(_need("batch_size", self.batch_size, batch_size, int))
@@ -306,6 +295,28 @@ class FixedSize(Sampler):
     @property
     def expected_batch_size(self):
         return float(self.batch_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedSize(_FixedBatch):
+    r"""``batch_size`` records drawn uniformly every step, without (default) or with replacement.
+
+    Events (replace-one neighbours, N public; the clipped sum moves by 2C, hence ν/2):
+    ``SampledWithoutReplacement(N, b, Gaussian(ν/2, "replace_one"))`` (Wang, Balle &
+    Kasiviswanathan 2019, Thm 27) or ``SampledWithReplacement(N, b, Gaussian(ν/2,
+    "replace_one"))`` (a record drawn k times counts k times), composed over the steps.
+
+    Attributes:
+      batch_size: b in [1, N]; ``None``: the mechanism's.
+      replace: draw with replacement.
+    """
+
+    name: ClassVar[str] = "fixed-size"
+    replace: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_flag("replace", self.replace)
 
     def sample(self, key, step):
         key, k = jax.random.split(key)
@@ -390,7 +401,7 @@ class BallsInBins(Sampler):
 
 
 @dataclasses.dataclass(frozen=True)
-class Shuffle(Sampler):
+class Shuffle(_FixedBatch):
     r"""Each epoch, a uniformly random permutation cut into batches of ``batch_size`` (the last one smaller).
 
     The permutation of an epoch comes from the sampling key folded with the epoch (the
@@ -404,30 +415,6 @@ class Shuffle(Sampler):
     """
 
     name: ClassVar[str] = "shuffle"
-    relation: ClassVar[str] = "replace_one"
-    batch_size: int | None = None
-
-    def __post_init__(self):
-        if self.batch_size is not None:
-            check_count("batch_size", self.batch_size)
-
-    def _bind(self, n, batch_size):
-        b = int(_need("batch_size", self.batch_size, batch_size, int))
-        if b > n:
-            raise ValueError(f"batch_size must be <= the number of training examples ({n}); got {b}.")
-        return dataclasses.replace(self, batch_size=b, num_records=n)
-
-    @property
-    def steps_per_pass(self):
-        return math.ceil(self.num_records / self.batch_size)
-
-    @property
-    def capacity(self):
-        return int(self.batch_size)
-
-    @property
-    def expected_batch_size(self):
-        return float(self.batch_size)
 
     def sample(self, key, step):
         n, b, m = self.num_records, self.batch_size, self.steps_per_pass

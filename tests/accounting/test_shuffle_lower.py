@@ -176,15 +176,15 @@ def test_extremes_stay_finite_and_below_the_upper_bound():
 
 
 @pytest.mark.parametrize("kwargs,name", [
-    (dict(noise_multiplier=0.0), "noise_multiplier"), (dict(num_batches=0), "num_batches"),
-    (dict(num_batches=2.5), "num_batches"), (dict(passes=0), "passes"), (dict(delta=1.0), "delta")])
+    (dict(noise_multiplier=0.0), "noise_multiplier"), (dict(steps_per_pass=0), "steps_per_pass"),
+    (dict(steps_per_pass=2.5), "steps_per_pass"), (dict(passes=0), "passes"), (dict(delta=1.0), "delta")])
 def test_invalid_inputs_name_the_parameter(kwargs, name):
-    args = dict(noise_multiplier=1.0, num_batches=10, passes=1, delta=1e-5) | kwargs
+    args = dict(noise_multiplier=1.0, steps_per_pass=10, passes=1, delta=1e-5) | kwargs
     with pytest.raises(ValueError, match=name):
         A.shuffled_lower_epsilon(**args)
     # Under jit: NaN (one compiled program for every case).
     assert np.isnan(float(_JITTED(*(jnp.asarray(args[k], jnp.float64) for k in _ORDER))))
 
 
-_ORDER = ("noise_multiplier", "num_batches", "passes", "delta")
+_ORDER = ("noise_multiplier", "steps_per_pass", "passes", "delta")
 _JITTED = jax.jit(A.shuffled_lower_epsilon)
