@@ -12,14 +12,19 @@ peer runs per configuration on a subsample (its rate extrapolated per configurat
   PLD analysis, so the ε of both are printed side by side, not compared for equality);
 * sampling with replacement: dp_accounting 0.6.0 has the event but no accountant; jaxdp
   alone is timed;
-* balls-in-bins (random allocation, 1 of t steps per pass): the NumPy/numba PLD of
-  moshenfeld/PLD_accounting (PyPI ``pld-accounting``), run in its own virtual environment
-  (``--peer-python``, default /work/venv-alloc/bin/python; it is not a jaxdp dependency)
-  in a subprocess that times each configuration after its import; a tight PLD (jaxdp's
-  is an RDP bound), so both ε are printed.
+* balls-in-bins / random allocation (k of t steps per pass): jaxdp on a random grid, then
+  jaxdp and the NumPy/numba PLD of moshenfeld/PLD_accounting 2.0 (PyPI ``pld-accounting``
+  with ``numba``) on one fixed grid of 21 configurations. The peer runs in its own virtual
+  environment (``--peer-python``, default /work/venv-alloc/bin/python; not a jaxdp
+  dependency) in a subprocess, timed per configuration after a numba warm-up, with
+  ``loss_discretization = --peer-disc × passes`` (its default 0.01 with 10 passes did not
+  finish a configuration in 4 minutes: its composition divides the discretisation by the
+  passes). Both its upper (DOMINATES) and lower (IS_DOMINATED) ε are printed; jaxdp's
+  certified RDP bound must not be below the peer's lower bound (flagged if it is).
 
     python benchmarks/batch_schemes.py                  # 2,000 configurations per scheme
     python benchmarks/batch_schemes.py --peer-sample 20
+    python benchmarks/batch_schemes.py --alloc-only --alloc-configs 64   # the random-allocation rows
 """
 
 from __future__ import annotations
@@ -64,9 +69,12 @@ def main():
     p.add_argument("--peer-sample", type=int, default=20)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--alloc-configs", type=int, default=200)
-    p.add_argument("--alloc-peer-sample", type=int, default=3)
+    p.add_argument("--alloc-peer-grid", type=int, default=1, help="0: skip the peer grid")
+    p.add_argument("--peer-disc", type=float, default=0.02,
+                   help="the peer's loss_discretization per pass (its composition divides it by the passes)")
     p.add_argument("--peer-python", default="/work/venv-alloc/bin/python")
-    p.add_argument("--peer-timeout", type=float, default=900.0)
+    p.add_argument("--peer-timeout", type=float, default=1800.0)
+    p.add_argument("--alloc-only", action="store_true", help="only the random-allocation rows")
     args = p.parse_args()
 
     import dp_accounting as dpa
@@ -76,6 +84,12 @@ def main():
     import jaxdp.accounting as A
 
     rng = np.random.default_rng(0)
+    if args.alloc_only:
+        print(f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} CPUs, "
+              f"load {os.getloadavg()[0]:.1f}")
+        _balls_in_bins(args, rng)
+        print(f"load at the end {os.getloadavg()[0]:.1f}")
+        return
     n = args.configs
     sub = rng.choice(n, size=min(args.peer_sample, n), replace=False)
     print(f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} CPUs, "
@@ -136,22 +150,38 @@ def main():
     print(f"load at the end {os.getloadavg()[0]:.1f}")
 
 
-# The peer, run by its own interpreter: ε and seconds per configuration, after the import.
+# The peer, run by its own interpreter: for each (σ, t, k, passes, loss_discretization) its
+# upper (DOMINATES) and lower (IS_DOMINATED) ε and the seconds each took, after a warm-up
+# call that compiles its numba kernels.
 _PEER = """
 import json, sys, time
-from PLD_accounting import PrivacyParams, AllocationSchemeConfig, gaussian_allocation_epsilon_configurable
-out = []
-for s, t, e in json.loads(sys.argv[1]):
-    t0 = time.perf_counter()
-    eps = gaussian_allocation_epsilon_configurable(
-        params=PrivacyParams(sigma=s, num_steps=t, num_epochs=e, delta=float(sys.argv[2])),
-        config=AllocationSchemeConfig())
-    out.append((eps, time.perf_counter() - t0))
+from PLD_accounting import (AllocationSchemeConfig, BoundType, PrivacyParams, gaussian_allocation_epsilon_configurable,
+                            has_numba)
+def eps(s, t, k, e, disc, bound):
+    return gaussian_allocation_epsilon_configurable(
+        params=PrivacyParams(sigma=s, num_steps=t, num_selected=k, num_epochs=e, delta=float(sys.argv[2])),
+        config=AllocationSchemeConfig(loss_discretization=disc), bound_type=bound)
+t0 = time.perf_counter()
+eps(1.0, 10, 1, 2, 0.1, BoundType.DOMINATES)
+eps(1.0, 10, 1, 2, 0.1, BoundType.IS_DOMINATED)
+out = {"warmup_s": time.perf_counter() - t0, "numba": has_numba(), "rows": []}
+for s, t, k, e, disc in json.loads(sys.argv[1]):
+    row = []
+    for bound in (BoundType.DOMINATES, BoundType.IS_DOMINATED):
+        t0 = time.perf_counter()
+        row += [eps(s, t, k, e, disc, bound), time.perf_counter() - t0]
+    out["rows"].append(row)
 print(json.dumps(out))
 """
 
+# The configurations both run: σ × t × passes (k = 1), and a few k > 1.
+_PEER_GRID = [(s, t, 1, e) for s in (0.8, 1.0, 2.0) for t in (10, 100, 1000) for e in (1, 10)] + [
+    (1.0, 100, 4, 1), (1.0, 1000, 10, 1), (2.0, 100, 3, 10)]
+
 
 def _balls_in_bins(args, rng):
+    import jax
+
     import jaxdp.accounting as A
 
     n = args.alloc_configs
@@ -159,24 +189,45 @@ def _balls_in_bins(args, rng):
     t = rng.integers(10, 2_000, n).astype(float)
     passes = rng.integers(1, 50, n).astype(float)
     eps, comp, best = _time_jaxdp(lambda a, b, c: A.balls_in_bins_event(a, b, c), (sig, t, passes), args.repeats)
-    line = f"balls-in-bins: jaxdp RDP {best / n * 1e3:.2f} ms/config over {n} (compile {comp:.1f} s)"
-    if not os.path.exists(args.peer_python):
-        print(line + f"; peer not installed ({args.peer_python}): pip install pld-accounting into a separate venv")
+    print(f"balls-in-bins: jaxdp RDP {best / n * 1e3:.2f} ms/config over {n} random configurations (compile "
+          f"{comp:.1f} s)")
+    if not args.alloc_peer_grid:
         return
-    sub = rng.choice(n, size=min(args.alloc_peer_sample, n), replace=False)
-    cfg = [(float(sig[i]), int(t[i]), int(passes[i])) for i in sub]
+    # The peer's grid, jaxdp first: one batched jit per k (k is static).
+    grid = _PEER_GRID
+    mine = np.zeros(len(grid))
+    k1 = [i for i, g in enumerate(grid) if g[2] == 1]
+    cols = [np.array([grid[i][j] for i in k1], dtype=float) for j in (0, 1, 3)]
+    e1, comp1, best1 = _time_jaxdp(lambda a, b, c: A.balls_in_bins_event(a, b, c), tuple(cols), args.repeats)
+    mine[k1] = e1
+    with jax.enable_x64(True):
+        for i, (s, tt, k, e) in enumerate(grid):
+            if k > 1:
+                mine[i] = float(A.epsilon(A.random_allocation_event(s, tt, k, e), DELTA))
+    per_cfg = best1 / len(k1)
+    if not os.path.exists(args.peer_python):
+        print(f"peer not installed ({args.peer_python}): pip install pld-accounting numba into a separate venv")
+        return
+    cfg = [(float(s), int(tt), int(k), int(e), args.peer_disc * e) for s, tt, k, e in grid]
     try:
         res = subprocess.run([args.peer_python, "-c", _PEER, json.dumps(cfg), repr(DELTA)], capture_output=True,
                              text=True, timeout=args.peer_timeout, check=True)
     except (subprocess.TimeoutExpired, subprocess.CalledProcessError) as err:
-        print(line + f"; peer failed or ran past {args.peer_timeout:.0f} s: {type(err).__name__}")
+        print(f"peer failed or ran past {args.peer_timeout:.0f} s: {type(err).__name__}")
         return
     peer = json.loads(res.stdout.strip().splitlines()[-1])
-    secs = np.array([p[1] for p in peer])
-    print(line + f"; PLD_accounting PLD median {np.median(secs) * 1e3:.0f} ms/config (first, with numba compile: "
-          f"{secs[0]:.1f} s); ratio {np.median(secs) / (best / n):.0f}x")
-    for (s, tt, e), (pe, _), me in zip(cfg, peer, eps[sub]):
-        print(f"  σ={s:.3f} t={tt} passes={e}: ε jaxdp RDP {me:.4f}, PLD_accounting PLD {pe:.4f}")
+    rows = np.array(peer["rows"])  # (n, 4): ε upper, s, ε lower, s
+    up_s = rows[[i for i in k1], 1]
+    print(f"peer grid ({len(grid)} configurations, δ = {DELTA:g}): jaxdp RDP {per_cfg * 1e3:.1f} ms/config "
+          f"(k = 1, {len(k1)} in one batched jit; compile {comp1:.1f} s); PLD_accounting 2.0 PLD (numba "
+          f"{peer['numba']}, warm-up {peer['warmup_s']:.1f} s, loss_discretization {args.peer_disc:g} × passes) "
+          f"upper bound median {np.median(up_s):.2f} s/config (max {np.max(up_s):.1f} s); ratio "
+          f"{np.median(up_s) / per_cfg:.0f}x (median peer upper-bound time / jaxdp batched time per configuration)")
+    print("  σ     t     k  passes | ε jaxdp RDP | ε PLD_accounting upper [lower] | jaxdp / upper | peer s (up, low)")
+    for (s, tt, k, e), me, (pu, su, pl, sl) in zip(grid, mine, rows):
+        flag = "  BELOW the peer's lower bound" if me < pl else ("  below the peer's upper bound" if me < pu else "")
+        print(f"  {s:<5} {tt:<5} {k:<2} {e:<6} | {me:11.4f} | {pu:9.4f} [{pl:.4f}] | {me / pu:6.3f} | "
+              f"{su:.1f}, {sl:.1f}{flag}")
 
 
 if __name__ == "__main__":
