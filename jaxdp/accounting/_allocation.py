@@ -1,4 +1,4 @@
-r"""Random allocation (balls-in-bins batching): the event and its certified RDP curve.
+r"""Random allocation (balls-in-bins batching, and k of t steps): the event and its certified RDP curve.
 
 Each epoch has t = ``steps_per_pass`` steps; every record takes part in exactly one of
 them, chosen uniformly at random and independently across records (k = 1 of t:
@@ -31,8 +31,14 @@ max(D_α(P‖Q), D_α(Q‖P)) per epoch, composed over epochs by :class:`SelfCom
     in u (a log-MGF) and so bounded by chords between nodes, and the u-integral of each
     chord bounded in closed form; rounding margins added. Every step is an upper bound.
 
+k of t steps (``selected=k``, each record in a uniformly random k-subset of the t steps):
+with t = km + r, 0 ≤ r < k, each direction is bounded by k − r epochs of 1 of m plus r
+epochs of 1 of m + 1 (a random partition into blocks, then one step per block, is exactly
+random allocation; mixtures over the hidden partition do not increase the divergence;
+the blocks compose concurrently). k = 1 runs the code above unchanged.
+
 The derivation, the decisions where the papers are incomplete and the checks are in
-docs/batch_schemes.md ("Random allocation").
+docs/batch_schemes.md ("Random allocation", "k of t steps").
 """
 
 from __future__ import annotations
