@@ -302,7 +302,7 @@ def _wor_log_a(q, sigma, plan):
     n_ex = plan["max_exact"]
     log_q = jnp.log(jnp.where(q > 0, q, 1.0))[:, None]
     f2 = 1.0 / sigma**2  # func(2) = 2/(2σ²)
-    log_f2m1 = f2 + jnp.log1p(-jnp.exp(-f2))
+    log_f2m1 = f2 + jnp.log(-jnp.expm1(-f2))  # log(e^{f2} - 1) without cancellation at large σ
     s2 = jnp.minimum(math.log(4.0) + log_f2m1, f2 + math.log(2.0))  # (batch,)
     cgf_im1 = (i_idx - 1.0)[None, :] * i_idx[None, :] / (2.0 * sigma[:, None] ** 2)  # cgf(i - 1)
     stirling = math.log(2.0) + cgf_im1  # (batch, I)
@@ -330,8 +330,9 @@ def _wor_log_a(q, sigma, plan):
             continue
         term = terms[:, None, :width] + i_idx[None, None, :width] * log_q[:, :, None] + lc[None]
         term = jnp.where(mk[None], term, -jnp.inf)
-        full = jnp.concatenate([jnp.zeros(term.shape[:2] + (1,)), term], axis=-1)  # log 1 = 0 first
-        parts.append(jax.nn.logsumexp(full, axis=-1))
+        # log A = log(1 + Σ_j e^{term_j}), through log1p: A − 1 may be ~1e-6 (large σ, small q),
+        # where log of the rounded 1 + x would lose u/x relative (below the theorem).
+        parts.append(jnp.logaddexp(jax.nn.logsumexp(term, axis=-1), 0.0))
     return jnp.concatenate(parts, axis=1)
 
 
