@@ -25,6 +25,7 @@ peer runs per configuration on a subsample (its rate extrapolated per configurat
     python benchmarks/batch_schemes.py                  # 2,000 configurations per scheme
     python benchmarks/batch_schemes.py --peer-sample 20
     python benchmarks/batch_schemes.py --alloc-only --alloc-configs 64   # the random-allocation rows
+    python benchmarks/batch_schemes.py --schemes wor      # one scheme (same configurations)
 """
 
 from __future__ import annotations
@@ -74,14 +75,13 @@ def main():
                    help="the peer's loss_discretization per pass (its composition divides it by the passes)")
     p.add_argument("--peer-python", default="/work/venv-alloc/bin/python")
     p.add_argument("--peer-timeout", type=float, default=1800.0)
-    p.add_argument("--alloc-only", action="store_true", help="only the random-allocation rows")
+    p.add_argument("--alloc-only", action="store_true", help="only the random-allocation rows (= --schemes alloc)")
+    p.add_argument("--schemes", default="wor,trunc,wr,alloc",
+                   help="comma-separated subset of wor,trunc,wr,alloc (default: all)")
     args = p.parse_args()
-
-    import dp_accounting as dpa
-    from dp_accounting.pld import pld_privacy_accountant as pld
-    from dp_accounting.rdp import rdp_privacy_accountant as rdp
-
-    import jaxdp.accounting as A
+    chosen = set(args.schemes.split(","))
+    if not chosen or chosen - {"wor", "trunc", "wr", "alloc"}:
+        p.error(f"--schemes must be a comma-separated subset of wor,trunc,wr,alloc; got {args.schemes!r}")
 
     rng = np.random.default_rng(0)
     if args.alloc_only:
@@ -95,11 +95,25 @@ def main():
     print(f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} CPUs, "
           f"load {os.getloadavg()[0]:.1f}; {n} configurations per scheme, peer on {len(sub)}")
 
-    # Sampling without replacement.
+    # Sampling without replacement. Every scheme draws its grid whether it runs or not, so a
+    # subset sees the same configurations as the full run.
     recs = rng.integers(1_000, 100_000, n).astype(float)
     m = np.maximum(1.0, np.round(np.exp(rng.uniform(math.log(1e-3), math.log(0.1), n)) * recs))
     sig = np.exp(rng.uniform(math.log(0.6), math.log(5.0), n))
     steps = rng.integers(100, 10_000, n).astype(float)
+    if "wor" in chosen:
+        _wor(args, recs, m, sig, steps, sub)
+    _rest(args, rng, n, sub, chosen)
+    print(f"load at the end {os.getloadavg()[0]:.1f}")
+
+
+def _wor(args, recs, m, sig, steps, sub):
+    import dp_accounting as dpa
+    from dp_accounting.rdp import rdp_privacy_accountant as rdp
+
+    import jaxdp.accounting as A
+
+    n = len(recs)
     eps, comp, best = _time_jaxdp(
         lambda a, b, c, d: A.SelfComposed(A.SampledWithoutReplacement(a, b, A.Gaussian(c, relation="replace_one")), d),
         (recs, m, sig, steps), args.repeats)
@@ -115,39 +129,48 @@ def main():
     print(f"without replacement: jaxdp {best / n * 1e6:.1f} µs/config (compile {comp:.1f} s); dp_accounting RDP "
           f"{peer * 1e3:.1f} ms/config; ratio {peer / (best / n):.0f}x; max rel. ε difference {rel:.2e}")
 
+
+def _rest(args, rng, n, sub, chosen):
+    import dp_accounting as dpa
+    from dp_accounting.pld import pld_privacy_accountant as pld
+
+    import jaxdp.accounting as A
+
     # Truncated Poisson.
     recs = rng.integers(1_000, 100_000, n).astype(float)
     q = np.exp(rng.uniform(math.log(1e-3), math.log(0.05), n))
     cap = np.ceil(q * recs + 4.0 * np.sqrt(q * recs) + 1.0)
     sig = np.exp(rng.uniform(math.log(0.6), math.log(5.0), n))
     steps = rng.integers(100, 3_000, n).astype(float)
-    eps, comp, best = _time_jaxdp(
-        lambda a, b, c, d, e: A.SelfComposed(A.TruncatedPoissonSampled(a, b, c, A.Gaussian(d)), e),
-        (q, recs, cap, sig, steps), args.repeats)
-    t0 = time.perf_counter()
-    ref = []
-    for i in sub:
-        acc = pld.PLDAccountant()
-        ev = dpa.TruncatedSubsampledGaussianDpEvent(int(recs[i]), float(q[i]), int(cap[i]), float(sig[i]))
-        acc.compose(dpa.SelfComposedDpEvent(ev, int(steps[i])))
-        ref.append(acc.get_epsilon(DELTA))
-    peer = (time.perf_counter() - t0) / len(sub)
-    ratio = np.median(eps[sub] / np.array(ref))
-    print(f"truncated Poisson: jaxdp RDP {best / n * 1e6:.1f} µs/config (compile {comp:.1f} s); dp_accounting PLD "
-          f"{peer * 1e3:.1f} ms/config; ratio {peer / (best / n):.0f}x; median ε jaxdp RDP / dp_accounting PLD "
-          f"{ratio:.3f} (cap = mean + 4 sd)")
+    if "trunc" in chosen:
+        eps, comp, best = _time_jaxdp(
+            lambda a, b, c, d, e: A.SelfComposed(A.TruncatedPoissonSampled(a, b, c, A.Gaussian(d)), e),
+            (q, recs, cap, sig, steps), args.repeats)
+        t0 = time.perf_counter()
+        ref = []
+        for i in sub:
+            acc = pld.PLDAccountant()
+            ev = dpa.TruncatedSubsampledGaussianDpEvent(int(recs[i]), float(q[i]), int(cap[i]), float(sig[i]))
+            acc.compose(dpa.SelfComposedDpEvent(ev, int(steps[i])))
+            ref.append(acc.get_epsilon(DELTA))
+        peer = (time.perf_counter() - t0) / len(sub)
+        ratio = np.median(eps[sub] / np.array(ref))
+        print(f"truncated Poisson: jaxdp RDP {best / n * 1e6:.1f} µs/config (compile {comp:.1f} s); dp_accounting "
+              f"PLD {peer * 1e3:.1f} ms/config; ratio {peer / (best / n):.0f}x; median ε jaxdp RDP / dp_accounting "
+              f"PLD {ratio:.3f} (cap = mean + 4 sd)")
 
     # Sampling with replacement (no peer accountant).
     recs = rng.integers(1_000, 100_000, n).astype(float)
     sig = np.exp(rng.uniform(math.log(0.6), math.log(5.0), n))
     steps = rng.integers(100, 10_000, n).astype(float)
-    eps, comp, best = _time_jaxdp(
-        lambda a, c, d: A.SelfComposed(A.SampledWithReplacement(a, 64, A.Gaussian(c, relation="replace_one")), d),
-        (recs, sig, steps), args.repeats)
-    print(f"with replacement (m = 64): jaxdp {best / n * 1e6:.1f} µs/config (compile {comp:.1f} s); "
-          "dp_accounting 0.6.0: no accountant for the event")
-    _balls_in_bins(args, rng)
-    print(f"load at the end {os.getloadavg()[0]:.1f}")
+    if "wr" in chosen:
+        eps, comp, best = _time_jaxdp(
+            lambda a, c, d: A.SelfComposed(A.SampledWithReplacement(a, 64, A.Gaussian(c, relation="replace_one")), d),
+            (recs, sig, steps), args.repeats)
+        print(f"with replacement (m = 64): jaxdp {best / n * 1e6:.1f} µs/config (compile {comp:.1f} s); "
+              "dp_accounting 0.6.0: no accountant for the event (neither RDP nor PLD supports it)")
+    if "alloc" in chosen:
+        _balls_in_bins(args, rng)
 
 
 # The peer, run by its own interpreter: for each (σ, t, k, passes, loss_discretization) its
