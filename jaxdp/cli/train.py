@@ -306,14 +306,16 @@ def _pnsgd_sampling(args) -> dict:
     """PNSGD's ``sampling`` and ``max_batch_size`` from --sampler (none: the fixed order)."""
     if args.sampler is None:
         return {}
-    if args.sampler == "shuffle":  # the mechanism refuses it, saying why
-        return {"sampling": "shuffle"}
     return {"sampling": "poisson", "max_batch_size": args.max_batch_size}
 
 
 def _sampler(args):
     """DP-SGD's sampler from --sampler and --max-batch (None: Poisson, as without the option)."""
-    pnsgd_ok = ("poisson", "truncated-poisson", "shuffle")
+    if args.algorithm == "pnsgd" and args.sampler == "shuffle":
+        raise _Usage("--sampler shuffle is not available with --algorithm pnsgd: no sound hidden-state analysis of "
+                     "reshuffled batches is known (docs/hidden_state_poisson.md); use --sampler poisson or "
+                     "truncated-poisson, the fixed order (no --sampler), or --algorithm dpsgd --sampler shuffle")
+    pnsgd_ok = ("poisson", "truncated-poisson")
     if args.sampler is not None and args.algorithm != "dpsgd" and not (args.algorithm == "pnsgd"
                                                                          and args.sampler in pnsgd_ok):
         raise _Usage(f"--sampler {args.sampler} needs --algorithm dpsgd"
