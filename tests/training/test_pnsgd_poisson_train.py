@@ -7,6 +7,7 @@ hidden-state bound itself is checked against the exact process in
 bound describes, and the report to be that bound at the run's constants, written out by hand.
 """
 
+import json
 import math
 
 import jax
@@ -190,3 +191,17 @@ def test_poisson_resume_is_bit_identical(tmp_path):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(jax.random.key_data(res.state.sample_key), jax.random.key_data(full.state.sample_key))
     assert res.ledger == full.ledger and res.ledger.sampling == "poisson"
+
+
+def test_the_command_line_trains_pnsgd_on_poisson_batches(capsys):
+    from jaxdp.cli.main import main
+
+    argv = ["train", "--smoke", "--plot", "none", "--sampler", "truncated-poisson", "--max-batch-size", "128",
+            "--insecure-noise-seed", "1"]
+    assert main([*argv, "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["analysis"] == "hidden-state" and payload["note"].startswith("hidden state, Poisson batches")
+    assert (payload["ledger"]["sampling"], payload["ledger"]["max_batch_size"]) == ("poisson", 128)
+    # eta*beta*B/b = 1 * 1 * 200/64 > 2: refused in one line before training.
+    assert main([*argv[:-4], "--max-batch-size", "200", "--insecure-noise-seed", "1"]) == 2
+    assert "with Poisson batches (every batch's step must be a contraction" in capsys.readouterr().err
