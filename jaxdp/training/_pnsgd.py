@@ -110,9 +110,9 @@ class PNSGDMechanism:
         bound of :func:`~jaxdp.accounting.poisson_pnsgd_rdp` (add/remove neighbours, every
         record alike, flat in the steps after a burn-in; the event
         ``PNSGD(..., sampling="poisson")``), which needs :math:`\eta\beta B/b \le 2`
-        (checked here when ``smoothness`` is given, else when training starts). Shuffled
-        batches are refused: no sound hidden-state analysis of them is known
-        (``docs/hidden_state_poisson.md``).
+        (checked here when ``smoothness`` and ``max_batch_size`` are given, else when training
+        starts). Shuffled batches are refused: we know no sound hidden-state analysis of
+        batches reshuffled every pass (``docs/hidden_state_poisson.md``, section 8).
       max_batch_size: :math:`B \ge 1` of ``sampling="poisson"``; ``None`` keeps every drawn
         record (then :math:`B = N + 1`, the neighbour's size, which only a tiny
         :math:`\eta\beta` allows).
