@@ -267,6 +267,7 @@ def _calibrate_core(target, q, steps, delta, orders, method, lo_s, hi_s, iterati
         found & ~at_low,
         at_low,
         closed=True,
+        elementwise=True,
     )
     eps = jnp.where(found, eps, jnp.inf)
     return CalibrationResult(jnp.where(valid, sigma, jnp.nan), jnp.where(valid, eps, jnp.nan), valid & at_low)
