@@ -212,6 +212,7 @@ def search_certified(
     hi: float,
     tol: float,
     iterations: int,
+    value_init: Any = None,
 ) -> CertifiedResult:
     r"""Smallest accepted x in [lo, hi], certified to ``tol``, one evaluation per step.
 
@@ -243,6 +244,9 @@ def search_certified(
       lo, hi: bracket ends (static floats), lo < hi.
       tol: certified bracket width (static).
       iterations: cap on the evaluations (static).
+      value_init: a pytree shaped like ``value`` when it is not an array of x's shape
+        (leaves with x's leading shape, any trailing axes; its values are not used);
+        every leaf of the result's ``value`` is +inf where nothing was accepted.
 
     Returns:
       :class:`CertifiedResult`.
@@ -293,7 +297,7 @@ def search_certified(
         acc = live & ok
         rej = live & ~ok
         xb_n = jnp.where(acc, x, xb)
-        vb_n = jnp.where(acc, v, vb)
+        vb_n = _select(acc, v, vb)
         xa_n = jnp.where(rej, jnp.maximum(x, xa), xa)
         at_low_n = at_low | (acc & (x <= lo))
         no_hi_n = no_hi | (rej & (x >= hi))
@@ -306,15 +310,18 @@ def search_certified(
         return (k + 1, xa_n, xb_n, vb_n, xp_n, ip_n, xc_n, ic_n, at_low_n, no_hi_n, step1_n, step2_n, steps + live)
 
     false = jnp.zeros(shape, bool)
-    init = (jnp.asarray(0), ninf, pinf, jnp.full(shape, jnp.inf, start.dtype), start, zeros_info, start, zeros_info,
+    if value_init is None:
+        vb_init = jnp.full(shape, jnp.inf, start.dtype)
+    else:
+        vb_init = jax.tree_util.tree_map(lambda v: jnp.full(jnp.shape(v), jnp.inf, jnp.result_type(v)), value_init)
+    init = (jnp.asarray(0), ninf, pinf, vb_init, start, zeros_info, start, zeros_info,
             false, false, pinf, pinf, jnp.zeros(shape, jnp.int32))
     _, xa, xb, vb, _, _, _, _, at_low, no_hi, _, _, steps = jax.lax.while_loop(cond, body, init)
     found = jnp.isfinite(xb)
     return CertifiedResult(xb, vb, found, at_low, done_of(xa, xb, at_low, no_hi), steps)
 
 
-def implicit_root(fn: Callable, x, value, target, params, binds, fixed, *, closed: bool = False,
-                  elementwise: bool = False):
+def implicit_root(fn: Callable, x, value, target, params, binds, fixed, *, closed: bool = False):
     r"""x (and ``value``) unchanged, with derivatives from the implicit function theorem.
 
     Where ``binds``, x is the root of :math:`f(x, p) = t` (``fn(x, *params)``, decreasing in
@@ -337,22 +344,11 @@ def implicit_root(fn: Callable, x, value, target, params, binds, fixed, *, close
       closed: ``fn`` closes over no traced values (only static ones): skip
         ``jax.closure_convert``, which traces ``fn`` once more on every call (a second
         trace of a large accountant costs compile-time seconds).
-      elementwise: ``fn`` is elementwise over x's shape and every parameter broadcasts to
-        it (needs ``closed``): the rule then computes the partial derivatives
-        :math:`∂_x f, ∂_{p_i} f` at x as values, by one ``jax.jvp`` of ``fn`` batched over
-        the unit directions, and the tangent is the small expression
-        :math:`(dt - \sum_i ∂_{p_i} f\,dp_i)/∂_x f` in them. One copy of ``fn``'s
-        derivative program instead of a linearisation applied twice, and reverse mode
-        transposes only that expression, never ``fn``'s derivative (compile time).
 
     Returns:
       ``(x, value)``.
     """
     params = tuple(params)
-    if elementwise:
-        if not closed:
-            raise ValueError("implicit_root: elementwise=True needs closed=True.")
-        return _implicit_elementwise(fn, x, value, target, params, binds, fixed)
     if closed:
         return _implicit(fn, x, value, target, params, binds, fixed)
     # Values ``fn`` closes over (tracers of an enclosing jit or derivative) become explicit
@@ -381,38 +377,6 @@ def _implicit_jvp(fn, primals, tangents):
     zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
     df_dx = lin(jnp.ones_like(x_at), zeros)
     df_dp = lin(jnp.zeros_like(x_at), d_params)
-    d_target = jnp.broadcast_to(d_target, x.shape)
-    use = binds & jnp.isfinite(df_dx) & (df_dx < 0)
-    dx = jnp.where(use, (d_target - df_dp) / jnp.where(use, df_dx, -1.0), 0.0)
-    d_value = jnp.where(use, d_target, jnp.where(fixed & ~binds, df_dp, 0.0))
-    return (x, value), (dx, jnp.broadcast_to(d_value, jnp.shape(value)).astype(jnp.result_type(value)))
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _implicit_elementwise(fn, x, value, target, params, binds, fixed):
-    del fn, target, params, binds, fixed
-    return x, value
-
-
-@_implicit_elementwise.defjvp
-def _implicit_elementwise_jvp(fn, primals, tangents):
-    x, value, target, params, binds, fixed = primals
-    _, _, d_target, d_params, _, _ = tangents
-    live = binds | fixed
-    x_at = jnp.where(live, x, 1.0)  # a harmless stand-in where x is +inf
-    n_dir = 1 + len(params)
-    # Unit tangents: direction 0 moves x, direction 1 + i moves params[i] (fn is
-    # elementwise, so a tangent of ones gives each element's own partial derivative).
-    eye = jnp.eye(n_dir, dtype=jnp.result_type(x_at))
-    t_x = eye[:, 0].reshape((n_dir,) + (1,) * x_at.ndim) * jnp.ones_like(x_at)
-    t_p = tuple(eye[:, 1 + i].reshape((n_dir,) + (1,) * jnp.ndim(p)) * jnp.ones_like(p) for i, p in enumerate(params))
-
-    def directional(tx, tp):
-        return jax.jvp(lambda x_, *p_: fn(x_, *p_), (x_at, *params), (tx, *tp))[1]
-
-    slopes = jax.vmap(directional)(t_x, t_p)  # (n_dir,) + x.shape
-    df_dx = slopes[0]
-    df_dp = functools.reduce(jnp.add, [slopes[1 + i] * dp for i, dp in enumerate(d_params)], jnp.zeros_like(df_dx))
     d_target = jnp.broadcast_to(d_target, x.shape)
     use = binds & jnp.isfinite(df_dx) & (df_dx < 0)
     dx = jnp.where(use, (d_target - df_dp) / jnp.where(use, df_dx, -1.0), 0.0)
