@@ -251,6 +251,36 @@ def take(x: jax.Array, indices, axis: int = -1) -> jax.Array:
     return gather(x)
 
 
+def take_windows(x: jax.Array, rows, starts, width: int) -> jax.Array:
+    """``x[..., rows[n], starts[n] + i]`` for ``i < width``: shape ``(..., len(rows), width)``.
+
+    ``x`` has shape ``(..., U, T)``; ``rows`` and ``starts`` are static integer arrays. The
+    value is one gather, as :func:`take`. The derivative is built without a gather (see
+    :func:`take`) and without one slice per window, which for many windows makes hundreds
+    of kernels and multiplies the compile time of every derivative: each window's row is
+    picked by a select and a sum over the U rows (one nonzero term, exact), then its start
+    by one static slice per distinct start, selected and summed the same way.
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    starts = np.asarray(starts, dtype=np.int64)
+    n_rows, n_cols = x.shape[-2:]
+    flat = (rows * n_cols + starts)[:, None] + np.arange(width)[None, :]
+    row_of = (np.arange(n_rows)[None, :] == rows[:, None])[:, :, None]  # (n, U, 1)
+
+    @jax.custom_jvp
+    def gather(v):
+        return jnp.take(v.reshape(v.shape[:-2] + (n_rows * n_cols,)), flat, axis=-1)
+
+    @gather.defjvp
+    def _gather_jvp(primals, tangents):
+        (v,), (t,) = primals, tangents
+        picked = jnp.sum(jnp.where(row_of, t[..., None, :, :], 0.0), axis=-2)  # (..., n, T)
+        parts = [jnp.where((starts == s)[:, None], picked[..., s:s + width], 0.0) for s in np.unique(starts)]
+        return gather(v), functools.reduce(jnp.add, parts)
+
+    return gather(x)
+
+
 def log_expm1(x: jax.Array) -> jax.Array:
     """``log(exp(x) - 1) = x + log(1 - e^{-x})`` for ``x > 0``, without overflow.
 

@@ -252,28 +252,52 @@ def _calibrate_core(target, q, steps, delta, orders, method, lo_s, hi_s, iterati
     # Harmless stand-ins where invalid, so the search stays finite (result masked to NaN).
     target_s = jnp.where(valid, target, 1.0)
     q_s, steps_s, delta_s = (jnp.where(valid, x, 0.5) for x in (q, steps, delta))
-    res = _search(target_s, q_s, steps_s, delta_s, orders, method, lo_s, hi_s, iterations)
-    sigma = jnp.exp(res.x)  # the σ the search evaluated (same exp of the same x)
-    found = res.found
-    at_low = res.at_low
-    # σ* moves by the implicit function theorem where the target binds (see implicit_root);
-    # the rule (a linearisation of dpsgd_epsilon at σ*) is traced only under differentiation.
-    sigma, eps = implicit_root(
-        functools.partial(_eps_of_sigma, orders=orders, method=method),
-        sigma,
-        res.value,
-        target,
-        (q, steps, delta),
-        found & ~at_low,
-        at_low,
-        closed=True,
-    )
+    sigma, eps, flags = _calibrated(target_s, q_s, steps_s, delta_s, orders, method, lo_s, hi_s, iterations)
+    found, at_low = flags[..., 0] > 0, flags[..., 1] > 0
     eps = jnp.where(found, eps, jnp.inf)
     return CalibrationResult(jnp.where(valid, sigma, jnp.nan), jnp.where(valid, eps, jnp.nan), valid & at_low)
 
 
-def _eps_of_sigma(sigma, q, steps, delta, *, orders, method):
-    return dpsgd_epsilon(q, sigma, steps, delta, orders=orders, method=method)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _calibrated(target, q, steps, delta, orders, method, lo_s, hi_s, iterations):
+    """σ*, ε(σ*) and (found, at_low) as 0/1 of the certified search (values; see the rule below)."""
+    res = _search(target, q, steps, delta, orders, method, lo_s, hi_s, iterations)
+    # σ the search evaluated (same exp of the same x). The flags are floats with a zero
+    # tangent: boolean outputs of a custom_jvp (float0 tangents) fail to transpose.
+    return jnp.exp(res.x), res.value, _flags(res)
+
+
+def _flags(res):
+    return jnp.stack([res.found, res.at_low], axis=-1).astype(res.x.dtype)
+
+
+@_calibrated.defjvp
+def _calibrated_jvp(orders, method, lo_s, hi_s, iterations, primals, tangents):
+    r"""σ* moves by the implicit function theorem where the target binds.
+
+    On ε(σ*, q, T, δ) = target: :math:`dσ^* = (d\,\text{target} - ∂_{q,T,δ}ε\cdot d(q,T,δ))/∂_σ ε`,
+    and ε moves with the target. Where σ* is the lower bound (``at_low``) σ is constant
+    and ε moves with the parameters; where nothing was found nothing moves. The partial
+    slopes of ε at σ* come from the search itself: in this rule (traced only when
+    differentiating) each step evaluates the accountant with its forward derivative in
+    the four unit directions (one batched ``jax.jvp``) and keeps the accepted point's, so
+    the derivative program holds one copy of the accountant, in the loop, and reverse
+    mode transposes only the expression above (never the accountant's derivative).
+    """
+    target, q, steps, delta = primals
+    d_target, d_q, d_steps, d_delta = tangents
+    res = _search(target, q, steps, delta, orders, method, lo_s, hi_s, iterations, slopes=True)
+    eps, slope = res.value
+    slope = jnp.where(res.found[..., None], slope, 0.0)  # +inf where nothing was accepted (0·inf in reverse mode)
+    binds = res.found & ~res.at_low
+    fixed = res.at_low
+    df_dp = slope[..., 1] * d_q + slope[..., 2] * d_steps + slope[..., 3] * d_delta
+    df_ds = slope[..., 0]
+    use = binds & jnp.isfinite(df_ds) & (df_ds < 0)
+    d_sigma = jnp.where(use, (d_target - df_dp) / jnp.where(use, df_ds, -1.0), 0.0)
+    d_eps = jnp.where(use, d_target, jnp.where(fixed & ~binds, df_dp, 0.0))
+    flags = _flags(res)
+    return (jnp.exp(res.x), eps, flags), (d_sigma, d_eps, jnp.zeros_like(flags))
 
 
 def _log_expm1(z):
@@ -376,7 +400,7 @@ def _model_roots(x_prev, lam_prev, x_cur, lam_cur, two_points, log_limit, log_c2
     return jnp.where(jnp.isnan(x_root), jnp.inf, x_root)
 
 
-def _search(target, q, steps, delta, orders, method, lo_s, hi_s, iterations):
+def _search(target, q, steps, delta, orders, method, lo_s, hi_s, iterations, slopes=False):
     r"""The certified model search on x = log σ (values only): a :class:`CertifiedResult`.
 
     ε(σ) ≤ t iff some order α has :math:`T r_α(σ) ≤ B_α`, where :math:`B_α` is what the
@@ -390,6 +414,10 @@ def _search(target, q, steps, delta, orders, method, lo_s, hi_s, iterations):
     Acceptance is the real accountant (:func:`rdp_to_epsilon` of the same method) with a
     relative 1e-12 margin under the target; the search stops once a rejected probe lies
     within ``_SEARCH_TOL`` below an accepted one (:func:`search_certified`).
+
+    With ``slopes`` the value is ``(ε, ∂ε/∂(σ, q, T, δ))`` (the slopes on a trailing axis
+    of 4), each evaluation's ε and slopes from one forward derivative of the accountant
+    batched over the four unit directions (for :func:`_calibrated`'s rule).
     """
     orders_np = np.asarray(orders, dtype=np.float64)
     am1 = orders_np - 1.0
@@ -408,12 +436,27 @@ def _search(target, q, steps, delta, orders, method, lo_s, hi_s, iterations):
     pos = budget > 0
     log_limit = jnp.where(pos, _log_expm1(am1 * jnp.where(pos, budget, 1.0) / steps_eff), -jnp.inf)
 
+    def accountant(sigma, q_, steps_, delta_):
+        rdp = heterogeneous_rdp(orders, q_[..., None], sigma[..., None], steps_[..., None])
+        return rdp_to_epsilon(rdp, orders, delta_, method=method).epsilon, rdp
+
     def evaluate(x):
         sigma = jnp.exp(x)
-        rdp = heterogeneous_rdp(orders, q[..., None], sigma[..., None], steps[..., None])
-        eps = rdp_to_epsilon(rdp, orders, delta, method=method).epsilon
+        if slopes:
+            primals = (sigma, q, steps, delta)
+
+            def directional(unit):
+                tangents = tuple(unit[i] * jnp.ones_like(p) for i, p in enumerate(primals))
+                (eps_, rdp_), (d_eps, _) = jax.jvp(accountant, primals, tangents)
+                return eps_, rdp_, d_eps
+
+            eps, rdp, slope = jax.vmap(directional, out_axes=(None, None, -1))(jnp.eye(4, dtype=sigma.dtype))
+            value = (eps, slope)
+        else:
+            eps, rdp = accountant(sigma, q, steps, delta)
+            value = eps
         lam = _log_expm1(am1 * (rdp / steps_eff))
-        return eps <= safe_target, eps, lam
+        return eps <= safe_target, value, lam
 
     # k = 2 coefficient C(α, 2) q² (1-q)^(α-2) and the k = α rate α(α-1) of every order.
     log_q = jnp.log(jnp.where(q > 0, q, 1.0))[..., None]
@@ -443,8 +486,9 @@ def _search(target, q, steps, delta, orders, method, lo_s, hi_s, iterations):
     x0 = jnp.where(q > 0, x0, -jnp.inf)
     start = jnp.where(jnp.isnan(x0), 0.0, jnp.clip(x0, math.log(lo_s), math.log(hi_s)))
     info_init = jnp.zeros(target.shape + (len(orders),))
+    value_init = (jnp.zeros(target.shape), jnp.zeros(target.shape + (4,))) if slopes else None
     return search_certified(evaluate, propose, start, info_init, math.log(lo_s), math.log(hi_s), _SEARCH_TOL,
-                            iterations)
+                            iterations, value_init)
 
 
 # =======================================================================================

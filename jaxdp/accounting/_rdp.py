@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _validate
-from .._numerics import crvz_weights, f64, float64, log_expm1, log_ndtr, read_only, signed_logsumexp, take
+from .._numerics import crvz_weights, f64, float64, log_expm1, log_ndtr, read_only, signed_logsumexp, take, take_windows
 from .._program_cache import persistent
 
 __all__ = ["DEFAULT_ORDERS", "gaussian_rdp", "sampled_gaussian_rdp", "heterogeneous_rdp", "laplace_rdp"]
@@ -273,8 +273,7 @@ def _log_am1_fractional(p: _FracPlan, q, log_q, log_1mq, sigma, z0):
     left = lac_l + f[..., None, :]  # (..., n, I); the common α log(1-q) is added after the sum
     # Right series, term i: log|C(α,i)| + i log(1-q) + g(α - i).
     g = jg * lq[..., None] + (jg * jg - jg) * inv2s2[..., None] + lnd_g.reshape(batch + jg.shape)
-    rows = p.frac_index[:, None] * g.shape[-1] + p.slice_start[:, None] + np.arange(n_i)[None, :]
-    g_rows = take(g.reshape(g.shape[:-2] + (-1,)), rows, axis=-1)  # (..., n, I)
+    g_rows = take_windows(g, p.frac_index, p.slice_start, n_i)  # (..., n, I)
     right = lac_r + i * l1q[..., None] + g_rows
     log_l, sign_l = signed_logsumexp(left, p.w_left, axis=-1)
     log_l = log_l + alpha * l1q
@@ -282,15 +281,19 @@ def _log_am1_fractional(p: _FracPlan, q, log_q, log_1mq, sigma, z0):
     # The first two tail terms a_0, a_1 (at i = i0, i0 + 1) of each series: a_0 scales the
     # certified CRVZ error bound, and both bound the sum of magnitudes for the rounding
     # margin below.
+    # Picked per row by a select and a sum (one nonzero entry: exact), not a gather: the
+    # derivative of a gather of scattered indices is one slice per index, hundreds of
+    # kernels that multiply the compile time of every derivative. g(α - i0 - s) is
+    # g_rows[:, i0 + s] (the same grid entry).
     i0 = p.i0
     rows_n = np.arange(len(alpha))
-    g_flat = g.reshape(g.shape[:-2] + (-1,))
-    flat = (p.frac_index * g.shape[-1] + p.slice_start + i0).astype(np.int64)
     tails = []
     for shift in (0, 1):
         lac = p.log_abs_comb[rows_n, i0 + shift]
-        tails.append((lac + alpha * l1q + take(f, i0 + shift, axis=-1),
-                      lac + (i0 + shift) * l1q + take(g_flat, flat + shift, axis=-1)))
+        at = np.arange(n_i)[None, :] == (i0 + shift)[:, None]  # (n, I), one True per row
+        f_at = jnp.sum(jnp.where(at, f[..., None, :], 0.0), axis=-1)
+        g_at = jnp.sum(jnp.where(at, g_rows, 0.0), axis=-1)
+        tails.append((lac + alpha * l1q + f_at, lac + (i0 + shift) * l1q + g_at))
     (first_left, first_right), (second_left, second_right) = tails
     # Σ|w_i| e_i ≤ S + a_0 + (N-1) a_1: the head terms are positive (so their sum is at most
     # the signed sum S, whose tail part lies in [0, a_0]), and the tail magnitudes decrease

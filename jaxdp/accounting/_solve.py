@@ -212,6 +212,7 @@ def search_certified(
     hi: float,
     tol: float,
     iterations: int,
+    value_init: Any = None,
 ) -> CertifiedResult:
     r"""Smallest accepted x in [lo, hi], certified to ``tol``, one evaluation per step.
 
@@ -243,6 +244,9 @@ def search_certified(
       lo, hi: bracket ends (static floats), lo < hi.
       tol: certified bracket width (static).
       iterations: cap on the evaluations (static).
+      value_init: a pytree shaped like ``value`` when it is not an array of x's shape
+        (leaves with x's leading shape, any trailing axes; its values are not used);
+        every leaf of the result's ``value`` is +inf where nothing was accepted.
 
     Returns:
       :class:`CertifiedResult`.
@@ -293,7 +297,7 @@ def search_certified(
         acc = live & ok
         rej = live & ~ok
         xb_n = jnp.where(acc, x, xb)
-        vb_n = jnp.where(acc, v, vb)
+        vb_n = _select(acc, v, vb)
         xa_n = jnp.where(rej, jnp.maximum(x, xa), xa)
         at_low_n = at_low | (acc & (x <= lo))
         no_hi_n = no_hi | (rej & (x >= hi))
@@ -306,7 +310,11 @@ def search_certified(
         return (k + 1, xa_n, xb_n, vb_n, xp_n, ip_n, xc_n, ic_n, at_low_n, no_hi_n, step1_n, step2_n, steps + live)
 
     false = jnp.zeros(shape, bool)
-    init = (jnp.asarray(0), ninf, pinf, jnp.full(shape, jnp.inf, start.dtype), start, zeros_info, start, zeros_info,
+    if value_init is None:
+        vb_init = jnp.full(shape, jnp.inf, start.dtype)
+    else:
+        vb_init = jax.tree_util.tree_map(lambda v: jnp.full(jnp.shape(v), jnp.inf, jnp.result_type(v)), value_init)
+    init = (jnp.asarray(0), ninf, pinf, vb_init, start, zeros_info, start, zeros_info,
             false, false, pinf, pinf, jnp.zeros(shape, jnp.int32))
     _, xa, xb, vb, _, _, _, _, at_low, no_hi, _, _, steps = jax.lax.while_loop(cond, body, init)
     found = jnp.isfinite(xb)

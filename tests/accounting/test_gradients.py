@@ -134,3 +134,18 @@ def test_grad_through_the_chunked_batch_path_with_x64_off():
         fd = np.sum(np.asarray(A.sampled_gaussian_rdp(SMALL, 0.01, s + step))
                     - np.asarray(A.sampled_gaussian_rdp(SMALL, 0.01, s - step)), axis=-1) / (2 * step)
     np.testing.assert_allclose(g, fd, rtol=RTOL_X32, atol=1e-9)
+
+
+def test_calibration_derivatives_in_q_and_delta_follow_the_implicit_function_theorem():
+    """σ*(q, δ): both partial derivatives in one reverse pass (the rule computes every
+    parameter's slope of ε at σ* in one batched forward derivative), against central
+    differences of fully converged calibrations."""
+    def f(q, d):
+        return A.calibrate_noise_multiplier(1.3, q, 1000, d, orders=SMALL).noise_multiplier
+
+    with jax.enable_x64(True):
+        gq, gd = (float(v) for v in jax.grad(f, argnums=(0, 1))(0.01, 1e-5))
+        ref_q = (float(f(0.01 * (1 + 1e-5), 1e-5)) - float(f(0.01 * (1 - 1e-5), 1e-5))) / (2e-7)
+        ref_d = (float(f(0.01, 1e-5 * (1 + 1e-5))) - float(f(0.01, 1e-5 * (1 - 1e-5)))) / (2e-10)
+    assert gq == pytest.approx(ref_q, rel=1e-5)
+    assert gd == pytest.approx(ref_d, rel=1e-5)
