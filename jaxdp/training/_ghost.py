@@ -148,6 +148,27 @@ def _live_jvp(primals, tangents):
     return param_value, value_dot + jnp.broadcast_to(real_dot.astype(param_value.dtype), param_value.shape)
 
 
+@jax.custom_jvp
+def _live_rows(out, table, ids):
+    """``out`` with the gradient of the rows ``table[ids]`` added (ids outside the table read nothing).
+
+    The value is ``out`` itself; the tangent is ``out``'s plus ``table``'s rows at ``ids``:
+    the same as adding ``jnp.take(table - stop_gradient(table), ids)``, an exact zero, without
+    computing it (``table - table`` is a pass over the whole table, and a table-sized
+    temporary, at every call).
+    """
+    del table, ids
+    return out
+
+
+@_live_rows.defjvp
+def _live_rows_jvp(primals, tangents):
+    out, _, ids = primals
+    out_dot, table_dot, _ = tangents
+    rows = jnp.take(table_dot, ids, axis=0, mode="fill", fill_value=0)
+    return out, out_dot + rows.astype(out_dot.dtype)
+
+
 class _Recorder:
     """Stands in for one layer's primitive: records its inputs, adds a probe to its output."""
 
@@ -229,9 +250,7 @@ class _RecordingEmbed(nnx.Embed):
         rec = self._jaxdp_recorder
         out = nnx.Embed.__call__(self, inputs, out_sharding)
         ids = _normalised_ids(jnp.asarray(inputs), self.num_embeddings)
-        real = rec.params["embedding"]
-        out = out + jnp.take(real - jax.lax.stop_gradient(real), ids, axis=0, mode="fill",
-                             fill_value=0).astype(out.dtype)
+        out = _live_rows(out, rec.params["embedding"], ids)  # the table's gradient, at this call only
         return rec._finish(out, {"inputs": inputs, "ids": ids, "vocab": self.num_embeddings})
 
     def attend(self, query, out_sharding=None):
