@@ -35,7 +35,8 @@ contender ran (cumulative over the run, so the order matters; the planned figure
 
     python benchmarks/transformer_step.py              # CPU sizes (2 layers, width 128, seq 64)
     python benchmarks/transformer_step.py --full       # BERT-small sizes on CPU (slow)
-    python benchmarks/transformer_step.py --gpu        # BERT-small sizes, batch 32 and 1024 (accumulated)
+    python benchmarks/transformer_step.py --gpu        # BERT-small sizes, batch 32 and 1024 (accumulated),
+                                                       # at the default matmul precision and at float32
     python benchmarks/transformer_step.py --smoke      # seconds
     python benchmarks/transformer_step.py --compare-tree /tmp/main   # this tree against `git archive main`, alternated
 
@@ -124,11 +125,16 @@ def _planned_mb(jitted, args):
     return (m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes) / 2**20
 
 
+def _cost(jitted, args):
+    """XLA's ``cost_analysis`` of the compiled function: (GFLOP, GB accessed)."""
+    cost = jitted.lower(*args).compile().cost_analysis()
+    cost = (cost[0] if isinstance(cost, list | tuple) and cost else cost) or {}
+    return cost.get("flops", float("nan")) / 1e9, cost.get("bytes accessed", float("nan")) / 1e9
+
+
 def _gflop(jitted, args):
     """XLA's flop count of the compiled function (``cost_analysis``), in GFLOP."""
-    cost = jitted.lower(*args).compile().cost_analysis()
-    cost = cost[0] if isinstance(cost, list | tuple) and cost else cost
-    return (cost or {}).get("flops", float("nan")) / 1e9
+    return _cost(jitted, args)[0]
 
 
 def work_split(model, x, y):
@@ -154,19 +160,22 @@ def work_split(model, x, y):
         out = clipped_grad_sum(lambda m, a, b: loss(m, a, b), nnx.merge(graphdef, p, rest), (x, y), 1.0)
         return out.grad_sum, out.norms
 
-    g, c = _gflop(jax.jit(grad), (params,)), _gflop(jax.jit(clipped), (params,))
+    (g, gb), (c, cb) = _cost(jax.jit(grad), (params,)), _cost(jax.jit(clipped), (params,))
     saved = _ghost._layer_grad_sum, _ghost._closed_grad_sum
     def zeros(rec, *_):
         return {k: jnp.zeros_like(v) for k, v in rec["recorder"].params.items()}
 
     _ghost._layer_grad_sum, _ghost._closed_grad_sum = zeros, zeros
     try:
-        n = _gflop(jax.jit(lambda p: clipped(p)), (params,))
+        n, nb = _cost(jax.jit(lambda p: clipped(p)), (params,))
     finally:
         _ghost._layer_grad_sum, _ghost._closed_grad_sum = saved
     print(f"  work at batch {x.shape[0]} (XLA flops): gradient {g:.3f} GFLOP; clipped_grad_sum {c:.3f} GFLOP "
           f"({c / g:.2f}x, {c - g:.3f} more); its norms without the sums {n:.3f} GFLOP (the sums: "
           f"{c - n:.3f})", flush=True)
+    print(f"  memory traffic (XLA bytes accessed): gradient {gb:.3f} GB; clipped_grad_sum {cb:.3f} GB "
+          f"({cb / gb:.2f}x, {cb - gb:.3f} more); its norms without the sums {nb:.3f} GB (the sums: {cb - nb:.3f})",
+          flush=True)
     # The noise: one normal draw per trainable parameter and step, whatever the batch.
     size = sum(v.size for v in jax.tree.leaves(params))
     draw = jax.jit(lambda k: jax.random.normal(k, (size,), jnp.float32))
@@ -399,6 +408,10 @@ def main(argv=None) -> int:
                     help="jax_default_matmul_precision for every contender (default: the platform's; on recent "
                          "GPUs float32 matmuls then run in TF32, while jaxdp's norms and clipped sums ask for "
                          "HIGHEST); float32 compares both at full float32")
+    ap.add_argument("--precisions", default=None, metavar="LIST",
+                    help="comma-separated matmul precisions to run the jaxdp contenders under, one after the other "
+                         "in this process ('default' the platform's or --matmul-precision's; e.g. "
+                         "'default,float32'); default: 'default,float32' with --gpu, else 'default'")
     ap.add_argument("--cpu-size", action="store_true", help=argparse.SUPPRESS)  # the default size set, explicitly
     # Time TREE's jaxdp and print the rows as JSON (a child of --compare-tree).
     ap.add_argument("--child-json", default=None, metavar="TREE", help=argparse.SUPPRESS)
@@ -442,21 +455,31 @@ def main(argv=None) -> int:
         rng = np.random.default_rng(0)
         work_split(build(*size), jnp.asarray(rng.integers(0, vocab, (batches[0], seq)), jnp.int32),
                    jnp.asarray(rng.integers(0, 2, batches[0]), jnp.int32))
-    rows, n_params = bench_jax(size, batches, micro, repeats, inner, not args.no_vmap)
+    precisions = (args.precisions or ("default,float32" if which == "gpu" else "default")).split(",")
+    rows = []
+    for i, precision in enumerate(precisions):
+        if precision != "default":
+            print(f"  matmul precision {precision}:", flush=True)
+        ctx = contextlib.nullcontext() if precision == "default" else jax.default_matmul_precision(precision)
+        with ctx:  # vmap(grad) under the first precision only (it is not what the GPU question is about)
+            got, n_params = bench_jax(size, batches, micro, repeats, inner, not args.no_vmap and i == 0)
+        rows += [{**r, "precision": precision} for r in got]
     python = None if args.no_opacus else _torch_python(args.torch_python)
     if args.no_opacus:
         print("  opacus: skipped (--no-opacus)")
     elif python is not None and jax.default_backend() == "cpu":
-        rows += bench_opacus(size, batches, micro, repeats, inner, python)
+        rows += [{**r, "precision": "torch"} for r in bench_opacus(size, batches, micro, repeats, inner, python)]
     elif python is None:
         print("  opacus: torch/opacus not importable: skipped")
-    base = {r["batch"]: r for r in rows if r["contender"] == "non-private"}
-    print(f"\n{n_params / 1e6:.2f} M parameters. Ratios against the non-private step of the same batch and micro-batch.")
-    print(f"{'batch':>6} {'micro':>6} {'contender':<14} {'ms/step':>9} {'x time':>7} {'CPU ms':>9} {'x CPU':>6}"
-          f" {'planned MB':>11} {'x mem':>6} {'device peak MB':>15}")
+    base = {(r["batch"], r["precision"]): r for r in rows if r["contender"] == "non-private"}
+    print(f"\n{n_params / 1e6:.2f} M parameters. Ratios against the non-private step of the same batch and micro-batch "
+          f"(and matmul precision; Opacus against jax's non-private step at '{precisions[0]}').")
+    print(f"{'batch':>6} {'micro':>6} {'precision':<9} {'contender':<14} {'ms/step':>9} {'x time':>7} {'CPU ms':>9} "
+          f"{'x CPU':>6} {'planned MB':>11} {'x mem':>6} {'device peak MB':>15}")
     for r in rows:
-        nb = base[r["batch"]]
-        print(f"{r['batch']:>6} {r['micro']:>6} {r['contender']:<14} {r['ms']:>9.1f} {r['ms'] / nb['ms']:>7.2f} "
+        nb = base.get((r["batch"], r["precision"]), base[(r["batch"], precisions[0])])
+        print(f"{r['batch']:>6} {r['micro']:>6} {r['precision']:<9} {r['contender']:<14} {r['ms']:>9.1f} "
+              f"{r['ms'] / nb['ms']:>7.2f} "
               f"{r['cpu_ms']:>9.1f} {r['cpu_ms'] / nb['cpu_ms']:>6.2f} "
               f"{r['planned_mb']:>11.1f} {r['planned_mb'] / nb['planned_mb']:>6.2f} {r['device_peak_mb']:>15.1f}")
     print(f"load average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
