@@ -118,8 +118,9 @@ def _time(fn, args, repeats, inner):
     return statistics.median(walls), statistics.median(cpus)
 
 
-def _planned_mb(jitted, args):
-    m = jitted.lower(*args).compile().memory_analysis()
+def _planned_mb(compiled):
+    """XLA's planned peak of a compiled function (temporaries + arguments + outputs), in MB."""
+    m = compiled.memory_analysis()
     if m is None:
         return float("nan")
     return (m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes) / 2**20
@@ -130,6 +131,22 @@ def _cost(jitted, args):
     cost = jitted.lower(*args).compile().cost_analysis()
     cost = (cost[0] if isinstance(cost, list | tuple) and cost else cost) or {}
     return cost.get("flops", float("nan")) / 1e9, cost.get("bytes accessed", float("nan")) / 1e9
+
+
+_NOT_KERNELS = ("parameter(", "tuple(", "get-tuple-element(", "bitcast(", "constant(", "copy-start(", "copy-done(")
+
+
+def _kernels(jitted, args):
+    """Instructions of the compiled function's entry computation that launch work (fusions, dots, calls).
+
+    On a GPU each is about one kernel launch, whose fixed cost (microseconds) dominates a
+    small step; counted on the platform at hand (XLA on CPU fuses differently from GPU, so
+    this is an indication of the extra launches, not their number on the GPU).
+    """
+    text = jitted.lower(*args).compile().as_text()
+    entry = text[text.index("ENTRY "):]
+    entry = entry[:entry.index("\n}")]
+    return sum(1 for line in entry.splitlines()[1:] if "=" in line and not any(k in line for k in _NOT_KERNELS))
 
 
 def _gflop(jitted, args):
@@ -173,6 +190,9 @@ def work_split(model, x, y):
     print(f"  work at batch {x.shape[0]} (XLA flops): gradient {g:.3f} GFLOP; clipped_grad_sum {c:.3f} GFLOP "
           f"({c / g:.2f}x, {c - g:.3f} more); its norms without the sums {n:.3f} GFLOP (the sums: "
           f"{c - n:.3f})", flush=True)
+    gk, ck = _kernels(jax.jit(grad), (params,)), _kernels(jax.jit(clipped), (params,))
+    print(f"  top-level operations of the compiled function (about one kernel launch each): gradient {gk}, "
+          f"clipped_grad_sum {ck} ({ck / gk:.2f}x)", flush=True)
     print(f"  memory traffic (XLA bytes accessed): gradient {gb:.3f} GB; clipped_grad_sum {cb:.3f} GB "
           f"({cb / gb:.2f}x, {cb - gb:.3f} more); its norms without the sums {nb:.3f} GB (the sums: {cb - nb:.3f})",
           flush=True)
@@ -240,8 +260,9 @@ def bench_jax(size, batches, micro, repeats, inner, vmap):
             contenders.append(("jaxdp vmap", jax.jit(lambda p, s, k: private(p, s, k, fast=False)),
                                (params, opt, jax.random.key(2))))
         for label, fn, args in contenders:
-            planned = _planned_mb(fn, args)
-            t, c = _time(fn, args, repeats, inner)
+            compiled = fn.lower(*args).compile()  # once: measured and timed (a GPU compile takes seconds)
+            planned = _planned_mb(compiled)
+            t, c = _time(compiled, args, repeats, inner)
             rows.append({"batch": b, "micro": m, "contender": label, "ms": 1e3 * t, "cpu_ms": 1e3 * c,
                          "planned_mb": planned, "device_peak_mb": _device_peak_mb()})
             print(f"  {label:14s} batch {b:5d} (micro {m:3d}): {1e3 * t:9.1f} ms (CPU {1e3 * c:9.1f} ms), "
