@@ -127,8 +127,9 @@ def _planned_mb(compiled):
 
 
 def _cost(jitted, args):
-    """XLA's ``cost_analysis`` of the compiled function: (GFLOP, GB accessed)."""
-    cost = jitted.lower(*args).compile().cost_analysis()
+    """XLA's ``cost_analysis`` of the compiled function: (GFLOP, GB accessed); ``jitted`` may be compiled already."""
+    compiled = jitted if hasattr(jitted, "cost_analysis") else jitted.lower(*args).compile()
+    cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, list | tuple) and cost else cost) or {}
     return cost.get("flops", float("nan")) / 1e9, cost.get("bytes accessed", float("nan")) / 1e9
 
@@ -143,7 +144,7 @@ def _kernels(jitted, args):
     small step; counted on the platform at hand (XLA on CPU fuses differently from GPU, so
     this is an indication of the extra launches, not their number on the GPU).
     """
-    text = jitted.lower(*args).compile().as_text()
+    text = (jitted if hasattr(jitted, "as_text") else jitted.lower(*args).compile()).as_text()
     entry = text[text.index("ENTRY "):]
     entry = entry[:entry.index("\n}")]
     return sum(1 for line in entry.splitlines()[1:] if "=" in line and not any(k in line for k in _NOT_KERNELS))
@@ -177,7 +178,8 @@ def work_split(model, x, y):
         out = clipped_grad_sum(lambda m, a, b: loss(m, a, b), nnx.merge(graphdef, p, rest), (x, y), 1.0)
         return out.grad_sum, out.norms
 
-    (g, gb), (c, cb) = _cost(jax.jit(grad), (params,)), _cost(jax.jit(clipped), (params,))
+    grad_c, clipped_c = jax.jit(grad).lower(params).compile(), jax.jit(clipped).lower(params).compile()
+    (g, gb), (c, cb) = _cost(grad_c, (params,)), _cost(clipped_c, (params,))
     saved = _ghost._layer_grad_sum, _ghost._closed_grad_sum
     def zeros(rec, *_):
         return {k: jnp.zeros_like(v) for k, v in rec["recorder"].params.items()}
@@ -190,7 +192,7 @@ def work_split(model, x, y):
     print(f"  work at batch {x.shape[0]} (XLA flops): gradient {g:.3f} GFLOP; clipped_grad_sum {c:.3f} GFLOP "
           f"({c / g:.2f}x, {c - g:.3f} more); its norms without the sums {n:.3f} GFLOP (the sums: "
           f"{c - n:.3f})", flush=True)
-    gk, ck = _kernels(jax.jit(grad), (params,)), _kernels(jax.jit(clipped), (params,))
+    gk, ck = _kernels(grad_c, (params,)), _kernels(clipped_c, (params,))
     print(f"  top-level operations of the compiled function (about one kernel launch each): gradient {gk}, "
           f"clipped_grad_sum {ck} ({ck / gk:.2f}x)", flush=True)
     print(f"  memory traffic (XLA bytes accessed): gradient {gb:.3f} GB; clipped_grad_sum {cb:.3f} GB "
