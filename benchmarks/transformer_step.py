@@ -206,6 +206,70 @@ def work_split(model, x, y):
           f"GFLOP, {1e3 * t:.1f} ms wall, {1e3 * c:.1f} ms CPU", flush=True)
 
 
+def memory_split(model, x, y):
+    """XLA's planned memory of the DP-SGD step built up part by part, against the non-private step (MB).
+
+    Each figure is one compiled function (planned temporaries + arguments + outputs): the
+    non-private step; ``clipped_grad_sum`` and SGD with the per-example norms replaced by
+    constants (what keeping the output gradients for the clipped sum costs); with the norms
+    (their temporaries); with the noise of :func:`jaxdp.training.dpsgd`; the whole
+    :func:`jaxdp.training.dpsgd_step` (its sampling and the overflow ``while_loop``, which
+    rarely runs but whose accumulator carry is planned for).
+    """
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from jaxdp.models import softmax_cross_entropy_loss as loss
+    from jaxdp.training import _ghost, clipped_grad_sum, dpsgd, dpsgd_step
+
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    b = x.shape[0]
+    tx = dpsgd(optax.sgd(0.1), 1.0, 1.0, float(b), jax.random.key(1))
+    opt = tx.init(params)
+
+    def nonprivate(p):
+        g = jax.grad(lambda p: loss(nnx.merge(graphdef, p, rest), x, y).sum())(p)
+        return jax.tree.map(lambda p, g: p - 0.1 * g / b, p, g)
+
+    def clipped_sgd(p, loss_fn=loss):
+        out = clipped_grad_sum(loss_fn, nnx.merge(graphdef, p, rest), (x, y), 1.0, mask=jnp.ones(b, bool))
+        return jax.tree.map(lambda p, g: p - 0.1 * g / b, p, out.grad_sum)
+
+    def clipped_noise(p, s):
+        out = clipped_grad_sum(loss, nnx.merge(graphdef, p, rest), (x, y), 1.0, mask=jnp.ones(b, bool))
+        u, s = tx.update(out.grad_sum, s, p)
+        return optax.apply_updates(p, u), s
+
+    def step(p, s, k):
+        return dpsgd_step(loss, graphdef, rest, tx, p, s, k, x, y, 1.0, 1.0, b)[:2]
+
+    def planned(f, *args):  # a fresh function object each time: no tracing cache shared between variants
+        return _planned_mb(jax.jit(lambda *a: f(*a)).lower(*args).compile())
+
+    base = planned(nonprivate, params)
+    full = planned(clipped_sgd, params), planned(clipped_noise, params, opt), planned(step, params, opt,
+                                                                                      jax.random.key(2))
+    # Last, with a loss function of its own: clipped_grad_sum reuses a trace for the same loss
+    # function and shapes, and the replaced norms must neither reuse nor be reused.
+    saved = _ghost._layer_sq_norm, _ghost._closed_sq_norm
+    _ghost._layer_sq_norm = lambda rec, d: (jnp.ones(d.shape[0], jnp.float32), saved[0](rec, d)[1])
+    _ghost._closed_sq_norm = lambda rec, d, xhat=None: (jnp.ones(d.shape[0], jnp.float32), saved[1](rec, d, xhat)[1])
+    try:
+        no_norms = planned(lambda p: clipped_sgd(p, lambda m, a, c: loss(m, a, c)), params)
+    finally:
+        _ghost._layer_sq_norm, _ghost._closed_sq_norm = saved
+    parts = [("non-private step", base), ("clipped sum + SGD, norms replaced by constants", no_norms),
+             ("clipped sum + SGD", full[0]), ("clipped sum + noise + SGD", full[1]),
+             ("dpsgd_step (sampling, overflow loop)", full[2])]
+    print(f"  planned memory at batch {b}, built up (MB; each line adds a part of the DP-SGD step):", flush=True)
+    last = base
+    for name, mb in parts:
+        print(f"    {name:<48s} {mb:8.1f} MB ({mb / base:.2f}x; +{mb - last:.1f})", flush=True)
+        last = mb
+
+
 def _device_peak_mb():
     import jax
 
@@ -423,6 +487,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-opacus", action="store_true", help="skip Opacus")
     ap.add_argument("--work", action="store_true", help="also print XLA's flops of the gradient, the clipped sum "
                                                           "and its norms at the first batch size")
+    ap.add_argument("--memory-split", action="store_true", help="also print XLA's planned memory of the DP-SGD "
+                                                                  "step built up part by part at the first batch size")
     ap.add_argument("--compare-tree", default=None, metavar="DIR",
                     help="also time DIR's jaxdp (e.g. `git archive main`) against this tree's, alternated in child "
                          "processes for --rounds rounds (DP-SGD and non-private only)")
@@ -478,6 +544,12 @@ def main(argv=None) -> int:
         rng = np.random.default_rng(0)
         work_split(build(*size), jnp.asarray(rng.integers(0, vocab, (batches[0], seq)), jnp.int32),
                    jnp.asarray(rng.integers(0, 2, batches[0]), jnp.int32))
+    if args.memory_split:
+        import jax.numpy as jnp
+
+        rng = np.random.default_rng(0)
+        memory_split(build(*size), jnp.asarray(rng.integers(0, vocab, (batches[0], seq)), jnp.int32),
+                     jnp.asarray(rng.integers(0, 2, batches[0]), jnp.int32))
     precisions = (args.precisions or ("default,float32" if which == "gpu" else "default")).split(",")
     rows = []
     for i, precision in enumerate(precisions):
