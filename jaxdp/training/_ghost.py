@@ -75,7 +75,7 @@ from flax import nnx
 
 from ..models import LipschitzDense
 from ._canonical_conv import _conv_with_canonical_vjp
-from ._ghost_closed import _closed_form, _normalised_input, _per_layer_grads, _state_key
+from ._ghost_closed import _closed_form, _live, _live_rows, _normalised_input, _per_layer_grads, _state_key
 from ._ghost_norms import _closed_grad_sum, _closed_sq_norm, _einsum_plan, _layer_grad_sum, _layer_sq_norm
 from ._per_example import _masked, _safe_clip_factor, _up, accumulation_dtype
 
@@ -126,47 +126,6 @@ def _names_layer(call):
             raise
 
     return wrapped
-
-
-@jax.custom_jvp
-def _live(param_value, real):
-    """``param_value`` with the gradient of ``real`` added (``real`` broadcast to its shape).
-
-    The value is ``param_value`` itself, with no arithmetic: the same as adding the exact
-    zero ``real - stop_gradient(real)``, which XLA would compute (an elementwise pass over
-    the kernel, or over the layer's output for a bias, at every call) because ``x - x`` is
-    not zero for every float. The tangent is ``param_value``'s plus ``real``'s.
-    """
-    del real
-    return param_value
-
-
-@_live.defjvp
-def _live_jvp(primals, tangents):
-    param_value, _ = primals
-    value_dot, real_dot = tangents
-    return param_value, value_dot + jnp.broadcast_to(real_dot.astype(param_value.dtype), param_value.shape)
-
-
-@jax.custom_jvp
-def _live_rows(out, table, ids):
-    """``out`` with the gradient of the rows ``table[ids]`` added (ids outside the table read nothing).
-
-    The value is ``out`` itself; the tangent is ``out``'s plus ``table``'s rows at ``ids``:
-    the same as adding ``jnp.take(table - stop_gradient(table), ids)``, an exact zero, without
-    computing it (``table - table`` is a pass over the whole table, and a table-sized
-    temporary, at every call).
-    """
-    del table, ids
-    return out
-
-
-@_live_rows.defjvp
-def _live_rows_jvp(primals, tangents):
-    out, _, ids = primals
-    out_dot, table_dot, _ = tangents
-    rows = jnp.take(table_dot, ids, axis=0, mode="fill", fill_value=0)
-    return out, out_dot + rows.astype(out_dot.dtype)
 
 
 class _Recorder:
