@@ -266,7 +266,7 @@ def memory_split(model, x, y):
     print(f"  planned memory at batch {b}, built up (MB; each line adds a part of the DP-SGD step):", flush=True)
     last = base
     for name, mb in parts:
-        print(f"    {name:<48s} {mb:8.1f} MB ({mb / base:.2f}x; +{mb - last:.1f})", flush=True)
+        print(f"    {name:<48s} {mb:8.1f} MB ({mb / base:.2f}x; {mb - last:+.1f})", flush=True)
         last = mb
 
 
