@@ -35,7 +35,8 @@ contender ran (cumulative over the run, so the order matters; the planned figure
 
     python benchmarks/transformer_step.py              # CPU sizes (2 layers, width 128, seq 64)
     python benchmarks/transformer_step.py --full       # BERT-small sizes on CPU (slow)
-    python benchmarks/transformer_step.py --gpu        # BERT-small sizes, batch 32 and 1024 (accumulated)
+    python benchmarks/transformer_step.py --gpu        # BERT-small sizes, batch 32 and 1024 (accumulated),
+                                                       # at the default matmul precision and at float32
     python benchmarks/transformer_step.py --smoke      # seconds
     python benchmarks/transformer_step.py --compare-tree /tmp/main   # this tree against `git archive main`, alternated
 
@@ -117,18 +118,41 @@ def _time(fn, args, repeats, inner):
     return statistics.median(walls), statistics.median(cpus)
 
 
-def _planned_mb(jitted, args):
-    m = jitted.lower(*args).compile().memory_analysis()
+def _planned_mb(compiled):
+    """XLA's planned peak of a compiled function (temporaries + arguments + outputs), in MB."""
+    m = compiled.memory_analysis()
     if m is None:
         return float("nan")
     return (m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes) / 2**20
 
 
+def _cost(jitted, args):
+    """XLA's ``cost_analysis`` of the compiled function: (GFLOP, GB accessed); ``jitted`` may be compiled already."""
+    compiled = jitted if hasattr(jitted, "cost_analysis") else jitted.lower(*args).compile()
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, list | tuple) and cost else cost) or {}
+    return cost.get("flops", float("nan")) / 1e9, cost.get("bytes accessed", float("nan")) / 1e9
+
+
+_NOT_KERNELS = ("parameter(", "tuple(", "get-tuple-element(", "bitcast(", "constant(", "copy-start(", "copy-done(")
+
+
+def _kernels(jitted, args):
+    """Instructions of the compiled function's entry computation that launch work (fusions, dots, calls).
+
+    On a GPU each is about one kernel launch, whose fixed cost (microseconds) dominates a
+    small step; counted on the platform at hand (XLA on CPU fuses differently from GPU, so
+    this is an indication of the extra launches, not their number on the GPU).
+    """
+    text = (jitted if hasattr(jitted, "as_text") else jitted.lower(*args).compile()).as_text()
+    entry = text[text.index("ENTRY "):]
+    entry = entry[:entry.index("\n}")]
+    return sum(1 for line in entry.splitlines()[1:] if "=" in line and not any(k in line for k in _NOT_KERNELS))
+
+
 def _gflop(jitted, args):
     """XLA's flop count of the compiled function (``cost_analysis``), in GFLOP."""
-    cost = jitted.lower(*args).compile().cost_analysis()
-    cost = cost[0] if isinstance(cost, list | tuple) and cost else cost
-    return (cost or {}).get("flops", float("nan")) / 1e9
+    return _cost(jitted, args)[0]
 
 
 def work_split(model, x, y):
@@ -154,25 +178,96 @@ def work_split(model, x, y):
         out = clipped_grad_sum(lambda m, a, b: loss(m, a, b), nnx.merge(graphdef, p, rest), (x, y), 1.0)
         return out.grad_sum, out.norms
 
-    g, c = _gflop(jax.jit(grad), (params,)), _gflop(jax.jit(clipped), (params,))
+    grad_c, clipped_c = jax.jit(grad).lower(params).compile(), jax.jit(clipped).lower(params).compile()
+    (g, gb), (c, cb) = _cost(grad_c, (params,)), _cost(clipped_c, (params,))
     saved = _ghost._layer_grad_sum, _ghost._closed_grad_sum
     def zeros(rec, *_):
         return {k: jnp.zeros_like(v) for k, v in rec["recorder"].params.items()}
 
     _ghost._layer_grad_sum, _ghost._closed_grad_sum = zeros, zeros
     try:
-        n = _gflop(jax.jit(lambda p: clipped(p)), (params,))
+        n, nb = _cost(jax.jit(lambda p: clipped(p)), (params,))
     finally:
         _ghost._layer_grad_sum, _ghost._closed_grad_sum = saved
     print(f"  work at batch {x.shape[0]} (XLA flops): gradient {g:.3f} GFLOP; clipped_grad_sum {c:.3f} GFLOP "
           f"({c / g:.2f}x, {c - g:.3f} more); its norms without the sums {n:.3f} GFLOP (the sums: "
           f"{c - n:.3f})", flush=True)
+    gk, ck = _kernels(grad_c, (params,)), _kernels(clipped_c, (params,))
+    print(f"  top-level operations of the compiled function (about one kernel launch each): gradient {gk}, "
+          f"clipped_grad_sum {ck} ({ck / gk:.2f}x)", flush=True)
+    print(f"  memory traffic (XLA bytes accessed): gradient {gb:.3f} GB; clipped_grad_sum {cb:.3f} GB "
+          f"({cb / gb:.2f}x, {cb - gb:.3f} more); its norms without the sums {nb:.3f} GB (the sums: {cb - nb:.3f})",
+          flush=True)
     # The noise: one normal draw per trainable parameter and step, whatever the batch.
     size = sum(v.size for v in jax.tree.leaves(params))
     draw = jax.jit(lambda k: jax.random.normal(k, (size,), jnp.float32))
     t, c = _time(draw, (jax.random.key(0),), 5, 2)
     print(f"  the noise of a step ({size / 1e6:.2f} M float32 normals): {_gflop(draw, (jax.random.key(0),)):.3f} "
           f"GFLOP, {1e3 * t:.1f} ms wall, {1e3 * c:.1f} ms CPU", flush=True)
+
+
+def memory_split(model, x, y):
+    """XLA's planned memory of the DP-SGD step built up part by part, against the non-private step (MB).
+
+    Each figure is one compiled function (planned temporaries + arguments + outputs): the
+    non-private step; ``clipped_grad_sum`` and SGD with the per-example norms replaced by
+    constants (what keeping the output gradients for the clipped sum costs); with the norms
+    (their temporaries); with the noise of :func:`jaxdp.training.dpsgd`; the whole
+    :func:`jaxdp.training.dpsgd_step` (its sampling and the overflow ``while_loop``, which
+    rarely runs but whose accumulator carry is planned for).
+    """
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from jaxdp.models import softmax_cross_entropy_loss as loss
+    from jaxdp.training import _ghost, clipped_grad_sum, dpsgd, dpsgd_step
+
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    b = x.shape[0]
+    tx = dpsgd(optax.sgd(0.1), 1.0, 1.0, float(b), jax.random.key(1))
+    opt = tx.init(params)
+
+    def nonprivate(p):
+        g = jax.grad(lambda p: loss(nnx.merge(graphdef, p, rest), x, y).sum())(p)
+        return jax.tree.map(lambda p, g: p - 0.1 * g / b, p, g)
+
+    def clipped_sgd(p, loss_fn=loss):
+        out = clipped_grad_sum(loss_fn, nnx.merge(graphdef, p, rest), (x, y), 1.0, mask=jnp.ones(b, bool))
+        return jax.tree.map(lambda p, g: p - 0.1 * g / b, p, out.grad_sum)
+
+    def clipped_noise(p, s):
+        out = clipped_grad_sum(loss, nnx.merge(graphdef, p, rest), (x, y), 1.0, mask=jnp.ones(b, bool))
+        u, s = tx.update(out.grad_sum, s, p)
+        return optax.apply_updates(p, u), s
+
+    def step(p, s, k):
+        return dpsgd_step(loss, graphdef, rest, tx, p, s, k, x, y, 1.0, 1.0, b)[:2]
+
+    def planned(f, *args):  # a fresh function object each time: no tracing cache shared between variants
+        return _planned_mb(jax.jit(lambda *a: f(*a)).lower(*args).compile())
+
+    base = planned(nonprivate, params)
+    full = planned(clipped_sgd, params), planned(clipped_noise, params, opt), planned(step, params, opt,
+                                                                                      jax.random.key(2))
+    # Last, with a loss function of its own: clipped_grad_sum reuses a trace for the same loss
+    # function and shapes, and the replaced norms must neither reuse nor be reused.
+    saved = _ghost._layer_sq_norm, _ghost._closed_sq_norm
+    _ghost._layer_sq_norm = lambda rec, d: (jnp.ones(d.shape[0], jnp.float32), saved[0](rec, d)[1])
+    _ghost._closed_sq_norm = lambda rec, d, xhat=None: (jnp.ones(d.shape[0], jnp.float32), saved[1](rec, d, xhat)[1])
+    try:
+        no_norms = planned(lambda p: clipped_sgd(p, lambda m, a, c: loss(m, a, c)), params)
+    finally:
+        _ghost._layer_sq_norm, _ghost._closed_sq_norm = saved
+    parts = [("non-private step", base), ("clipped sum + SGD, norms replaced by constants", no_norms),
+             ("clipped sum + SGD", full[0]), ("clipped sum + noise + SGD", full[1]),
+             ("dpsgd_step (sampling, overflow loop)", full[2])]
+    print(f"  planned memory at batch {b}, built up (MB; each line adds a part of the DP-SGD step):", flush=True)
+    last = base
+    for name, mb in parts:
+        print(f"    {name:<48s} {mb:8.1f} MB ({mb / base:.2f}x; {mb - last:+.1f})", flush=True)
+        last = mb
 
 
 def _device_peak_mb():
@@ -231,8 +326,9 @@ def bench_jax(size, batches, micro, repeats, inner, vmap):
             contenders.append(("jaxdp vmap", jax.jit(lambda p, s, k: private(p, s, k, fast=False)),
                                (params, opt, jax.random.key(2))))
         for label, fn, args in contenders:
-            planned = _planned_mb(fn, args)
-            t, c = _time(fn, args, repeats, inner)
+            compiled = fn.lower(*args).compile()  # once: measured and timed (a GPU compile takes seconds)
+            planned = _planned_mb(compiled)
+            t, c = _time(compiled, args, repeats, inner)
             rows.append({"batch": b, "micro": m, "contender": label, "ms": 1e3 * t, "cpu_ms": 1e3 * c,
                          "planned_mb": planned, "device_peak_mb": _device_peak_mb()})
             print(f"  {label:14s} batch {b:5d} (micro {m:3d}): {1e3 * t:9.1f} ms (CPU {1e3 * c:9.1f} ms), "
@@ -391,6 +487,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-opacus", action="store_true", help="skip Opacus")
     ap.add_argument("--work", action="store_true", help="also print XLA's flops of the gradient, the clipped sum "
                                                           "and its norms at the first batch size")
+    ap.add_argument("--memory-split", action="store_true", help="also print XLA's planned memory of the DP-SGD "
+                                                                  "step built up part by part at the first batch size")
     ap.add_argument("--compare-tree", default=None, metavar="DIR",
                     help="also time DIR's jaxdp (e.g. `git archive main`) against this tree's, alternated in child "
                          "processes for --rounds rounds (DP-SGD and non-private only)")
@@ -399,6 +497,10 @@ def main(argv=None) -> int:
                     help="jax_default_matmul_precision for every contender (default: the platform's; on recent "
                          "GPUs float32 matmuls then run in TF32, while jaxdp's norms and clipped sums ask for "
                          "HIGHEST); float32 compares both at full float32")
+    ap.add_argument("--precisions", default=None, metavar="LIST",
+                    help="comma-separated matmul precisions to run the jaxdp contenders under, one after the other "
+                         "in this process ('default' the platform's or --matmul-precision's; e.g. "
+                         "'default,float32'); default: 'default,float32' with --gpu, else 'default'")
     ap.add_argument("--cpu-size", action="store_true", help=argparse.SUPPRESS)  # the default size set, explicitly
     # Time TREE's jaxdp and print the rows as JSON (a child of --compare-tree).
     ap.add_argument("--child-json", default=None, metavar="TREE", help=argparse.SUPPRESS)
@@ -442,21 +544,37 @@ def main(argv=None) -> int:
         rng = np.random.default_rng(0)
         work_split(build(*size), jnp.asarray(rng.integers(0, vocab, (batches[0], seq)), jnp.int32),
                    jnp.asarray(rng.integers(0, 2, batches[0]), jnp.int32))
-    rows, n_params = bench_jax(size, batches, micro, repeats, inner, not args.no_vmap)
+    if args.memory_split:
+        import jax.numpy as jnp
+
+        rng = np.random.default_rng(0)
+        memory_split(build(*size), jnp.asarray(rng.integers(0, vocab, (batches[0], seq)), jnp.int32),
+                     jnp.asarray(rng.integers(0, 2, batches[0]), jnp.int32))
+    precisions = (args.precisions or ("default,float32" if which == "gpu" else "default")).split(",")
+    rows = []
+    for i, precision in enumerate(precisions):
+        if precision != "default":
+            print(f"  matmul precision {precision}:", flush=True)
+        ctx = contextlib.nullcontext() if precision == "default" else jax.default_matmul_precision(precision)
+        with ctx:  # vmap(grad) under the first precision only (it is not what the GPU question is about)
+            got, n_params = bench_jax(size, batches, micro, repeats, inner, not args.no_vmap and i == 0)
+        rows += [{**r, "precision": precision} for r in got]
     python = None if args.no_opacus else _torch_python(args.torch_python)
     if args.no_opacus:
         print("  opacus: skipped (--no-opacus)")
     elif python is not None and jax.default_backend() == "cpu":
-        rows += bench_opacus(size, batches, micro, repeats, inner, python)
+        rows += [{**r, "precision": "torch"} for r in bench_opacus(size, batches, micro, repeats, inner, python)]
     elif python is None:
         print("  opacus: torch/opacus not importable: skipped")
-    base = {r["batch"]: r for r in rows if r["contender"] == "non-private"}
-    print(f"\n{n_params / 1e6:.2f} M parameters. Ratios against the non-private step of the same batch and micro-batch.")
-    print(f"{'batch':>6} {'micro':>6} {'contender':<14} {'ms/step':>9} {'x time':>7} {'CPU ms':>9} {'x CPU':>6}"
-          f" {'planned MB':>11} {'x mem':>6} {'device peak MB':>15}")
+    base = {(r["batch"], r["precision"]): r for r in rows if r["contender"] == "non-private"}
+    print(f"\n{n_params / 1e6:.2f} M parameters. Ratios against the non-private step of the same batch and micro-batch "
+          f"(and matmul precision; Opacus against jax's non-private step at '{precisions[0]}').")
+    print(f"{'batch':>6} {'micro':>6} {'precision':<9} {'contender':<14} {'ms/step':>9} {'x time':>7} {'CPU ms':>9} "
+          f"{'x CPU':>6} {'planned MB':>11} {'x mem':>6} {'device peak MB':>15}")
     for r in rows:
-        nb = base[r["batch"]]
-        print(f"{r['batch']:>6} {r['micro']:>6} {r['contender']:<14} {r['ms']:>9.1f} {r['ms'] / nb['ms']:>7.2f} "
+        nb = base.get((r["batch"], r["precision"]), base[(r["batch"], precisions[0])])
+        print(f"{r['batch']:>6} {r['micro']:>6} {r['precision']:<9} {r['contender']:<14} {r['ms']:>9.1f} "
+              f"{r['ms'] / nb['ms']:>7.2f} "
               f"{r['cpu_ms']:>9.1f} {r['cpu_ms'] / nb['cpu_ms']:>6.2f} "
               f"{r['planned_mb']:>11.1f} {r['planned_mb'] / nb['planned_mb']:>6.2f} {r['device_peak_mb']:>15.1f}")
     print(f"load average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")

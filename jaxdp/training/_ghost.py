@@ -75,7 +75,7 @@ from flax import nnx
 
 from ..models import LipschitzDense
 from ._canonical_conv import _conv_with_canonical_vjp
-from ._ghost_closed import _closed_form, _normalised_input, _per_layer_grads, _state_key
+from ._ghost_closed import _closed_form, _live, _live_rows, _normalised_input, _per_layer_grads, _state_key
 from ._ghost_norms import _closed_grad_sum, _closed_sq_norm, _einsum_plan, _layer_grad_sum, _layer_sq_norm
 from ._per_example import _masked, _safe_clip_factor, _up, accumulation_dtype
 
@@ -126,26 +126,6 @@ def _names_layer(call):
             raise
 
     return wrapped
-
-
-@jax.custom_jvp
-def _live(param_value, real):
-    """``param_value`` with the gradient of ``real`` added (``real`` broadcast to its shape).
-
-    The value is ``param_value`` itself, with no arithmetic: the same as adding the exact
-    zero ``real - stop_gradient(real)``, which XLA would compute (an elementwise pass over
-    the kernel, or over the layer's output for a bias, at every call) because ``x - x`` is
-    not zero for every float. The tangent is ``param_value``'s plus ``real``'s.
-    """
-    del real
-    return param_value
-
-
-@_live.defjvp
-def _live_jvp(primals, tangents):
-    param_value, _ = primals
-    value_dot, real_dot = tangents
-    return param_value, value_dot + jnp.broadcast_to(real_dot.astype(param_value.dtype), param_value.shape)
 
 
 class _Recorder:
@@ -229,9 +209,7 @@ class _RecordingEmbed(nnx.Embed):
         rec = self._jaxdp_recorder
         out = nnx.Embed.__call__(self, inputs, out_sharding)
         ids = _normalised_ids(jnp.asarray(inputs), self.num_embeddings)
-        real = rec.params["embedding"]
-        out = out + jnp.take(real - jax.lax.stop_gradient(real), ids, axis=0, mode="fill",
-                             fill_value=0).astype(out.dtype)
+        out = _live_rows(out, rec.params["embedding"], ids)  # the table's gradient, at this call only
         return rec._finish(out, {"inputs": inputs, "ids": ids, "vocab": self.num_embeddings})
 
     def attend(self, query, out_sharding=None):

@@ -6,6 +6,8 @@ outer-product layers) are recorded whole by :mod:`jaxdp.training._ghost`; this m
 whether a call has a closed form and computes the normalised input :math:`\hat x`. The norms
 and sums themselves are in :mod:`jaxdp.training._ghost_norms`. Calls without a closed form
 take :func:`_per_layer_grads`, the per-layer vmap of the module's own backward pass.
+:func:`_live` and :func:`_live_rows` give a recorded call's own use of a parameter its
+gradient (the instrumented copy holds every trainable parameter behind ``stop_gradient``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,47 @@ from flax import nnx
 from flax.nnx.nn import dtypes as _flax_dtypes
 
 from ._per_example import _up
+
+
+@jax.custom_jvp
+def _live(param_value, real):
+    """``param_value`` with the gradient of ``real`` added (``real`` broadcast to its shape).
+
+    The value is ``param_value`` itself, with no arithmetic: the same as adding the exact
+    zero ``real - stop_gradient(real)``, which XLA would compute (an elementwise pass over
+    the kernel, or over the layer's output for a bias, at every call) because ``x - x`` is
+    not zero for every float. The tangent is ``param_value``'s plus ``real``'s.
+    """
+    del real
+    return param_value
+
+
+@_live.defjvp
+def _live_jvp(primals, tangents):
+    param_value, _ = primals
+    value_dot, real_dot = tangents
+    return param_value, value_dot + jnp.broadcast_to(real_dot.astype(param_value.dtype), param_value.shape)
+
+
+@jax.custom_jvp
+def _live_rows(out, table, ids):
+    """``out`` with the gradient of the rows ``table[ids]`` added (ids outside the table read nothing).
+
+    The value is ``out`` itself; the tangent is ``out``'s plus ``table``'s rows at ``ids``:
+    the same as adding ``jnp.take(table - stop_gradient(table), ids)``, an exact zero, without
+    computing it (``table - table`` is a pass over the whole table, and a table-sized
+    temporary, at every call).
+    """
+    del table, ids
+    return out
+
+
+@_live_rows.defjvp
+def _live_rows_jvp(primals, tangents):
+    out, _, ids = primals
+    out_dot, table_dot, _ = tangents
+    rows = jnp.take(table_dot, ids, axis=0, mode="fill", fill_value=0)
+    return out, out_dot + rows.astype(out_dot.dtype)
 
 
 def _state_key(key_path) -> tuple:
