@@ -34,7 +34,6 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import jaxdp.accounting as A
-from jaxdp.accounting._shuffle_lower import _zero_out_lower_epsilon
 
 T = 1000
 DELTA = 1e-6
@@ -43,7 +42,7 @@ DELTA = 1e-6
 def curves(sigmas, passes, grid_size):
     s = np.asarray(sigmas, dtype=np.float64)
     lower = np.asarray(A.shuffled_lower_epsilon(s, T, passes, DELTA))
-    lower_bot = np.asarray(_zero_out_lower_epsilon(s, T, passes, DELTA))
+    lower_bot = np.asarray(A.shuffled_lower_epsilon(s, T, passes, DELTA, relation="zero_out"))
     upper = np.asarray(A.epsilon(A.shuffled_event(s, passes), DELTA, accountant="pld", grid_size=grid_size))
     poisson = np.asarray(A.epsilon(A.dpsgd_event(1.0 / T, s, T * passes), DELTA, accountant="pld",
                                    grid_size=grid_size))

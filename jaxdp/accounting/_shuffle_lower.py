@@ -268,7 +268,7 @@ def _pair(m, m_q, t, passes, target):
 
 
 @float64
-def shuffled_lower_epsilon(noise_multiplier, steps_per_pass, passes, delta) -> jax.Array:
+def shuffled_lower_epsilon(noise_multiplier, steps_per_pass, passes, delta, *, relation="replace_one") -> jax.Array:
     r"""A certified lower bound on ε of shuffled DP-SGD (Chua et al. 2024): no analysis can report less.
 
     For ``passes`` E passes, each a fresh uniformly random permutation cut into T =
@@ -288,7 +288,8 @@ def shuffled_lower_epsilon(noise_multiplier, steps_per_pass, passes, delta) -> j
     δ)`` (no amplification); the true ε lies between them. Chua et al. replace the record
     by ⊥ (a zero gradient), which gives the weaker pair with Q = (1/T)Σ_t N(e_t/σ, I_T) at
     the same σ; their published values are reproduced to 1e-3 relative (see
-    ``docs/batch_schemes.md``), and this bound is above them.
+    ``docs/batch_schemes.md``), and this bound is above them. ``relation="zero_out"`` gives
+    that pair (their setting: the record replaced by ⊥).
 
     Args:
       noise_multiplier: σ > 0, the noise standard deviation over the clip norm C (as for
@@ -296,6 +297,9 @@ def shuffled_lower_epsilon(noise_multiplier, steps_per_pass, passes, delta) -> j
       steps_per_pass: T ≥ 1, the batches (steps) of one pass.
       passes: E ≥ 1, the number of passes, each with a fresh permutation.
       delta: δ in (0, 1).
+      relation: ``"replace_one"`` (default; the record's gradient +C against −C) or
+        ``"zero_out"`` (Chua et al.'s setting: +C against ⊥, a zero gradient; a weaker pair,
+        so a smaller lower bound, and also a valid lower bound under replace-one).
 
     Returns:
       float64 ε ≥ 0, the broadcast shape of the arguments (NaN under ``jit`` for invalid
@@ -321,20 +325,9 @@ def shuffled_lower_epsilon(noise_multiplier, steps_per_pass, passes, delta) -> j
     _validate.check_delta(delta)
     _validate.check_broadcastable(noise_multiplier=noise_multiplier, steps_per_pass=steps_per_pass, passes=passes,
                                   delta=delta)
-    return _batch(*(f64(x) for x in (noise_multiplier, steps_per_pass, passes, delta)))
-
-
-@float64
-def _zero_out_lower_epsilon(noise_multiplier, steps_per_pass, passes, delta) -> jax.Array:
-    """The lower bound in Chua et al.'s own setting: the record is replaced by ⊥ (zero gradient).
-
-    Same arguments, rounding and output as :func:`shuffled_lower_epsilon` (no validation:
-    for checks and figures), for the pair Σ_t w_t N((2/σ)e_t, I) vs Σ_t w_t N((1/σ)e_t, I)
-    (their "cube" pair: the other records' gradients −C, the record's +C in D and ⊥ in D').
-    A zero gradient is a valid record, so this is also a lower bound under replace-one; it
-    is below :func:`shuffled_lower_epsilon` (−C neighbour) on every configuration checked.
-    """
-    return _batch(*(f64(x) for x in (noise_multiplier, steps_per_pass, passes, delta)), zero_out=True)
+    if relation not in ("replace_one", "zero_out"):
+        raise ValueError(f"relation must be 'replace_one' or 'zero_out'; got {relation!r}")
+    return _batch(*(f64(x) for x in (noise_multiplier, steps_per_pass, passes, delta)), zero_out=relation == "zero_out")
 
 
 @functools.partial(jax.jit, static_argnames="zero_out")

@@ -186,6 +186,11 @@ def test_invalid_inputs_name_the_parameter(kwargs, name):
     assert np.isnan(float(_JITTED(*(jnp.asarray(args[k], jnp.float64) for k in _ORDER))))
 
 
+def test_invalid_relation_is_named():
+    with pytest.raises(ValueError, match="relation must be 'replace_one' or 'zero_out'"):
+        A.shuffled_lower_epsilon(1.0, 10, 1, 1e-5, relation="add_remove")
+
+
 _ORDER = ("noise_multiplier", "steps_per_pass", "passes", "delta")
 _JITTED = jax.jit(A.shuffled_lower_epsilon)
 
@@ -216,10 +221,9 @@ def test_reproduces_chua_et_al():
     computation: to 1e-3 relative for one pass (their thresholds every 0.01 against our 4096
     bins: either may be the larger), 2e-3 with passes (both discretise the loss, downwards).
     The replace-one bound (−C neighbour) is above theirs: jaxdp reports more, never less."""
-    from jaxdp.accounting._shuffle_lower import _zero_out_lower_epsilon
 
     s, t, d, e, ref = (np.array(c, dtype=np.float64) for c in zip(*CHUA_REFERENCE))
-    got = np.asarray(_zero_out_lower_epsilon(s, t, e, d))
+    got = np.asarray(A.shuffled_lower_epsilon(s, t, e, d, relation="zero_out"))
     tol = np.where(e == 1, 1e-3, 2e-3)
     assert np.all(np.abs(got - ref) <= tol * ref), (got, ref)
     assert np.all(np.asarray(A.shuffled_lower_epsilon(s, t, e, d)) >= got)
