@@ -77,9 +77,26 @@ def _guarded(fn: Callable) -> Callable:
         if _differentiated(primals):
             raise SecondDerivativeX64Error(SECOND_DERIVATIVE_X64_MESSAGE)
         with jax.enable_x64(True):
-            return jax.jvp(fn, primals, tangents)
+            return jax.jvp(fn, primals, tuple(_tangents_like(primals, tangents)))
 
     return differentiable
+
+
+def _tangents_like(primals, tangents) -> list:
+    """Each tangent in its primal's dtype (float0 tangents of integer primals untouched).
+
+    Under ``jit`` with x64 off, a ``jvp`` whose tangent is a Python number can reach the rule
+    with a float32 primal and a float64 tangent (or the reverse); ``jax.jvp`` requires equal
+    dtypes. The cast is exact where it widens, and rounds once where it narrows.
+    """
+    out = []
+    for p, t in zip(primals, tangents):
+        # The array's own dtype: jnp.result_type would promote a weak float32 to float64 here.
+        dt = p.dtype if hasattr(p, "dtype") else jnp.result_type(p)
+        if jnp.issubdtype(dt, jnp.inexact) and getattr(t, "dtype", None) != dt:
+            t = jax.lax.convert_element_type(t, dt)
+        out.append(t)
+    return out
 
 
 SECOND_DERIVATIVE_X64_MESSAGE = (

@@ -149,3 +149,32 @@ def test_calibration_derivatives_in_q_and_delta_follow_the_implicit_function_the
         ref_d = (float(f(0.01, 1e-5 * (1 + 1e-5))) - float(f(0.01, 1e-5 * (1 - 1e-5)))) / (2e-10)
     assert gq == pytest.approx(ref_q, rel=1e-5)
     assert gd == pytest.approx(ref_d, rel=1e-5)
+
+
+
+FORWARD_CASES = {
+    "dpsgd_epsilon": lambda s: A.dpsgd_epsilon(0.01, s, 1000, 1e-5),
+    "epsilon(dpsgd_event)": lambda s: A.epsilon(A.dpsgd_event(0.01, s, 1000), 1e-5),
+}
+FORWARD_FORMS = {
+    "jit(jvp)": lambda f: jax.jit(lambda s: jax.jvp(f, (s,), (1.0,))[1]),
+    "jvp(jit)": lambda f: lambda s: jax.jvp(jax.jit(f), (s,), (jnp.float32(1.0),))[1],
+    "jit(grad)": lambda f: jax.jit(jax.grad(f)),
+    "jacfwd": lambda f: jax.jacfwd(f),
+}
+
+
+@pytest.mark.parametrize("name,form", [
+    pytest.param(n, m, marks=() if (n, m) == ("dpsgd_epsilon", "jit(jvp)") else pytest.mark.slow)
+    for n in FORWARD_CASES for m in FORWARD_FORMS])  # CI: the regression; JAXDP_SLOW=1: all
+def test_forward_mode_under_jit_with_x64_off(name, form):
+    """jit(jvp) with a Python-number tangent raised a raw 'primal and tangent ... dtypes must
+    be equal' TypeError with x64 off (a float32 primal met a float64 tangent in the float64
+    wrapper's rule); every form gives the x64-on derivative within float32 rounding."""
+    f = FORWARD_CASES[name]
+    with jax.enable_x64(True):
+        want = float(jax.grad(f)(X0))
+    with jax.enable_x64(False):
+        got = np.asarray(FORWARD_FORMS[form](f)(X0))
+    assert got.shape == () and np.isfinite(got)
+    assert float(got) == pytest.approx(want, rel=RTOL_X32)
