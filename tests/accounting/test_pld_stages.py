@@ -24,14 +24,14 @@ def _x64():
         yield
 
 
-def _check_exact(n):
+def _check_exact(n, fallback="none"):
     sig = np.array([c[0] for c in EXACT_CASES])
     k = np.array([c[1] for c in EXACT_CASES], dtype=float)
     mu = np.sqrt(k) / sig
     deltas = np.array([_exact_gauss_delta(c[3], m) if c[3] is not None else c[2] for c, m in zip(EXACT_CASES, mu)])
     exact = np.array([_exact_gauss_epsilon(d, m) for d, m in zip(deltas, mu)])
     ev = A.SelfComposed(A.Gaussian(sig), k)
-    up = np.asarray(A.epsilon(ev, deltas, accountant="pld", grid_size=n, stages=2, fallback="none"))
+    up = np.asarray(A.epsilon(ev, deltas, accountant="pld", grid_size=n, stages=2, fallback=fallback))
     assert np.all(up >= exact), (n, up, exact)
     d_up = np.asarray(A.delta(ev, exact, accountant="pld", grid_size=n, stages=2))
     assert np.all(d_up >= deltas * (1 - 1e-12)), (n, d_up, deltas)
@@ -49,8 +49,10 @@ def test_two_stage_never_below_closed_form():
 
 @pytest.mark.slow
 def test_two_stage_never_below_closed_form_every_grid_size():
+    # (At the smallest grids the two-stage grid cannot certify δ = 1e-10 for one Gaussian step:
+    # +inf there, so the RDP fallback answers; still never below the closed form.)
     for p in range(10, 21):
-        _check_exact(2**p)
+        _check_exact(2**p, fallback="rdp")
 
 
 @pytest.mark.slow
