@@ -12,7 +12,10 @@ bracket (upper, lower) against dp_accounting's PLD at value step 1e-5 (and its d
 1e-4), with each library's time per configuration; opake-accounting where it installs
 (Python 3.13; skipped otherwise, said in the output).
 
-Run: ``python benchmarks/pld.py [--sample 20] [--configs 1000] [--no-table] [--no-calibration]``.
+The table also prints the two-stage upper bound (``stages=2``); ``--stages`` times it on the
+configuration grid, alternated with the default in the same process.
+
+Run: ``python benchmarks/pld.py [--sample 20] [--configs 1000] [--no-table] [--no-calibration] [--stages]``.
 Prints ratios; figures go into benchmarks/README.md with the machine.
 """
 
@@ -62,21 +65,24 @@ def _table(delta) -> None:
     """jaxdp's default bracket against dp_accounting's PLD at value step 1e-5 (and 1e-4), with costs."""
     q, s, t = (np.array(x, dtype=float) for x in zip(*TABLE))
     f = jax.jit(lambda q, s, t: A.pld_bracket(A.dpsgd_event(q, s, t), delta))
+    f2 = jax.jit(lambda q, s, t: A.epsilon(A.dpsgd_event(q, s, t), delta, accountant="pld", stages=2))
     jax.block_until_ready(f(q, s, t))
     t0 = time.perf_counter()
     b = jax.block_until_ready(f(q, s, t))
     ours = (time.perf_counter() - t0) / len(TABLE)
+    two = np.asarray(f2(q, s, t))
     print(f"five-configuration table, delta={delta:g}: jaxdp bracket (upper + lower) {ours * 1e3:.1f} ms/config")
-    print("| (q, σ, steps) | jaxdp upper (2^14) | dp_accounting 1e-5 | rel. | dp_accounting 1e-4 | rel. | "
-          "jaxdp lower | lower/upper | dp_accounting 1e-4 time |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| (q, σ, steps) | jaxdp upper (2^14) | dp_accounting 1e-5 | rel. | jaxdp upper, stages=2 | rel. | "
+          "dp_accounting 1e-4 | rel. | jaxdp lower | lower/upper | dp_accounting 1e-4 time |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for i, (qi, si, ti) in enumerate(TABLE):
         fine = _dpa_epsilon(qi, si, ti, delta, interval=1e-5)
         t0 = time.perf_counter()
         coarse = _dpa_epsilon(qi, si, ti, delta, interval=1e-4)
         c_t = time.perf_counter() - t0
         up, lo = float(b.upper[i]), float(b.lower[i])
-        print(f"| ({qi:.5g}, {si}, {ti}) | {up:.6f} | {fine:.6f} | {up / fine - 1:+.1e} | {coarse:.6f} | "
+        print(f"| ({qi:.5g}, {si}, {ti}) | {up:.6f} | {fine:.6f} | {up / fine - 1:+.1e} | {two[i]:.6f} | "
+              f"{two[i] / fine - 1:+.1e} | {coarse:.6f} | "
               f"{coarse / fine - 1:+.1e} | {lo:.4f} | {lo / up:.3f} | {c_t * 1e3:.0f} ms |", flush=True)
     try:
         import opake_accounting  # noqa: F401  (Python 3.13 wheels only)
@@ -91,6 +97,7 @@ def main() -> None:
     ap.add_argument("--delta", type=float, default=1e-5)
     ap.add_argument("--no-table", action="store_true", help="skip the five-configuration accuracy table")
     ap.add_argument("--no-calibration", action="store_true", help="skip the calibration timing")
+    ap.add_argument("--stages", action="store_true", help="also time stages=2, alternated with the default")
     args = ap.parse_args()
     jax.config.update("jax_enable_x64", True)
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, jax {jax.__version__}, "
@@ -108,6 +115,21 @@ def main() -> None:
     ours = (time.perf_counter() - t0) / args.configs
     print(f"jaxdp PLD (grid {A.PLD_GRID_SIZE}): {ours * 1e3:.2f} ms/config over {args.configs} configs "
           f"(one vmapped call; first compile {compile_s:.1f} s)")
+    if args.stages:  # the two-stage upper bound, alternated with the default in the same process
+        f2 = jax.jit(lambda q, s, t: A.epsilon(A.dpsgd_event(q, s, t), args.delta, accountant="pld", stages=2))
+        t0 = time.perf_counter()
+        jax.block_until_ready(f2(q, s, t))
+        c2 = time.perf_counter() - t0
+        times = {1: [], 2: []}
+        for _ in range(2):
+            for st, fn in ((1, f), (2, f2)):
+                t0 = time.perf_counter()
+                e = np.asarray(jax.block_until_ready(fn(q, s, t)))
+                times[st].append((time.perf_counter() - t0) / args.configs * 1e3)
+        ratio = e / eps
+        print(f"stages=1 vs stages=2 (alternated, ms/config): {times[1]} vs {times[2]} (first compile of stages=2 "
+              f"{c2:.1f} s); stages=2 / stages=1 epsilon: median {np.median(ratio):.6f}, "
+              f"min {ratio.min():.6f}, max {ratio.max():.6f}; load {os.getloadavg()[0]:.1f}")
     idx = np.random.default_rng(1).choice(args.configs, size=min(args.sample, args.configs), replace=False)
     dpa, errs = [], []
     t0 = time.perf_counter()

@@ -87,6 +87,7 @@ from ._per_instance_rdp import PerInstancePrivacy as PerInstancePrivacy
 from ._per_instance_rdp import per_instance_sampled_gaussian_rdp as per_instance_sampled_gaussian_rdp
 from ._pld import PLD_GRID_SIZE as PLD_GRID_SIZE
 from ._pld import PLD_TAIL_BOUND as PLD_TAIL_BOUND
+from ._pld import PLD_STAGES as PLD_STAGES
 from ._pld import PLDBracket as PLDBracket
 from ._accountants import pld_bracket as pld_bracket
 from ._pnsgd import PNSGDPrivacy as PNSGDPrivacy
@@ -158,6 +159,7 @@ __all__ = [
     # The PLD accountant's defaults, and both of its bounds at once.
     "PLD_GRID_SIZE",
     "PLD_TAIL_BOUND",
+    "PLD_STAGES",
     "PLDBracket",
     "pld_bracket",
     # DP-SGD in one call, and its noise calibration (accountant="rdp" or "pld").

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._numerics import f64
-from ._pld_curves import directions, masses, safe_pow
+from ._pld_curves import directions, lse, masses, tilted_fft
+from ._pld_stages import block_plan, blocks
 
 _U = float(np.finfo(np.float64).eps)
 # The plan's coarse pass: bins per mechanism, and the ladder of tilts θ (times 1/span).
@@ -89,14 +90,7 @@ def _single_range(kind, params, direction, z):
     return (lo_s, hi_s) if direction == "remove" else (-hi_s, -lo_s)
 
 
-def _lse(logp, x):
-    """log Σ_i exp(logp_i + x_i) along the last axis (-inf for no mass; logp may be -inf)."""
-    v = jnp.where(jnp.isfinite(logp), logp + x, -jnp.inf)
-    m = jax.lax.stop_gradient(jnp.max(v, axis=-1, keepdims=True))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    s = jnp.sum(jnp.exp(v - m), axis=-1)
-    pos = s > 0
-    return jnp.where(pos, jnp.log(jnp.where(pos, s, 1.0)) + m[..., 0], -jnp.inf)
+
 
 
 def _cut(o, t, h, n):
@@ -138,20 +132,23 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n):
     h1 = span_s / (n1 - 2)
     j1 = jnp.arange(n1, dtype=jnp.float64)
     thetas = f64(_THETAS) / span_s
-    plans, spans = {}, []
+    plans, spans, stats = {}, [], {}
     log_m = math.log(8.0 * _U * (math.log2(n) + 2.0) * (math.sqrt(2.0 * n) + 1.0) + 4.0 * n * _U) + jnp.log1p(k_tot)
     for d in direction_list:
         lam_mgf = jnp.zeros(thetas.shape)
         neg_mgf = jnp.zeros(thetas.shape)
-        parts = []
+        parts, one_mgf = [], []
         for kd, p_, k, (b, _) in zip(kinds, params, ks, ranges[d]):
             o1 = jnp.floor(b / h1)
             grid = (o1 + j1) * h1
             p = masses(kd, p_, grid, h1, d, "upper", _cut(o1, ranges[d][len(parts)][1], h1, n1))[0]
             logp = jnp.where(p > 0, jnp.log(jnp.where(p > 0, p, 1.0)), -jnp.inf)
-            lam_mgf = lam_mgf + k * _lse(logp[None, :], thetas[:, None] * grid[None, :])
-            neg_mgf = neg_mgf + k * _lse(logp[None, :], -thetas[:, None] * grid[None, :])
+            pos_c = lse(logp[None, :], thetas[:, None] * grid[None, :])
+            neg_c = lse(logp[None, :], -thetas[:, None] * grid[None, :])
+            lam_mgf = lam_mgf + k * pos_c
+            neg_mgf = neg_mgf + k * neg_c
             parts.append((logp, grid, k))
+            one_mgf.append((pos_c, neg_c))
         if what == "epsilon":
             obj = (lam_mgf - log_dt) / thetas
         else:
@@ -164,11 +161,14 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n):
             log_dt = jnp.minimum(best, 0.0)
         # Tilted variance at λ.
         var = jnp.zeros(())
+        tilted = []
         for logp, grid, k in parts:
-            a = _lse(logp, lam * grid)
+            a = lse(logp, lam * grid)
             w = jnp.exp(jnp.where(jnp.isfinite(logp), logp + lam * grid - a, -jnp.inf))
             m = jnp.sum(w * grid)
-            var = var + k * jnp.sum(w * (grid - m) ** 2)
+            v1 = jnp.sum(w * (grid - m) ** 2)
+            var = var + k * v1
+            tilted.append((m, v1))
         s = jnp.sqrt(jnp.maximum(var, 0.0))
         # Top: the Chernoff point at δ·η (mass above it is certified and negligible).
         top_obj = (lam_mgf - (log_dt + math.log(_ETA))) / thetas
@@ -214,11 +214,15 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n):
         lam = jnp.where(found, jnp.min(jnp.where(sel & all3, thetas[None, :], jnp.inf)), lam)
         plans[d] = (lam, top, bottom, log_dt, th_top)
         spans.append(jnp.where(found, jnp.sum(jnp.where(sel[:, 0], w_c, 0.0)), w_fit))
+        # Per mechanism, for the two-stage composition's block windows (_pld_stages.py):
+        # its own discrete log-MGF on the ladder (±θ) and its mean and variance tilted by λ.
+        stats[d] = [(pos_c, neg_c, m_t, v_t, logp, grid)
+                    for (pos_c, neg_c), (m_t, v_t), (logp, grid, _) in zip(one_mgf, tilted, parts)]
     span_c = jnp.max(jnp.stack(spans))
-    return span_s, span_c, plans, z
+    return span_s, span_c, plans, z, stats, thetas
 
 
-def compose(kinds, params, counts, n, tau, estimate, query, what):
+def compose(kinds, params, counts, n, tau, estimate, query, what, stages=1):
     r"""Per direction, the composed discrete PLD on a window, computed in the tilted domain.
 
     Each mechanism's masses :math:`p_{c,i}` on its grid :math:`ℓ_i = (o_c + i)h` are tilted,
@@ -239,9 +243,16 @@ def compose(kinds, params, counts, n, tau, estimate, query, what):
     the window's bottom), so it does not count.
     """
     dirs = directions(kinds)
-    span_s, span_c, plans, z = _plan(kinds, params, counts, dirs, query, what, tau, n)
+    span_s, span_c, plans, z, stats, thetas_plan = _plan(kinds, params, counts, dirs, query, what, tau, n)
     span_s, span_c = jax.lax.stop_gradient((span_s, span_c))
-    h = jnp.maximum(span_s, span_c) / (n - 2)
+    two_stage = estimate == "upper" and stages == 2
+    if two_stage:  # the spacing h2 of stage 2 and each block's window (_pld_stages.block_plan)
+        ranges = {d: [jax.lax.stop_gradient(_single_range(kd, p_, d, z)) for kd, p_ in zip(kinds, params)]
+                  for d in dirs}
+        bp = jax.lax.stop_gradient(block_plan(kinds, params, stats, thetas_plan, counts, ranges, plans, span_c, n))
+        h = bp.h2
+    else:
+        h = jnp.maximum(span_s, span_c) / (n - 2)
     h = jnp.where(jnp.isfinite(h) & (h > 0), h, 1.0)
     w_all = n * h
     j = jnp.arange(n, dtype=jnp.float64)
@@ -252,17 +263,35 @@ def compose(kinds, params, counts, n, tau, estimate, query, what):
         if estimate == "lower":  # a smaller tilt folds less mass down (see _fold_down)
             lam = jnp.minimum(lam, jnp.maximum((_FOLD_LOG_LOWER - log_dt) / w_all, 0.5 * lam))
         lam = jnp.minimum(lam, 600.0 / w_all)
-        # The window: the top at the Chernoff point, unless the span is shorter than W (then
-        # the window is extended below; for δ(ε), the bottom stays just below ε).
-        # Each mechanism's grid and masses (the grid depends on the spacing only).
-        mech = []
-        for kd, p_, k in zip(kinds, params, counts):
-            b1, t1 = jax.lax.stop_gradient(_single_range(kd, p_, direction, z))
-            o = jnp.floor(b1 / h)
-            grid = (o + j) * h
-            # The grid ends at the mechanism's planned top (as in the plan): above it the
-            # moment generating function would be dominated by far tails that cost little δ.
-            mech.append((o, grid) + tuple(masses(kd, p_, grid, h, direction, estimate, _cut(o, t1, h, n))))
+        # Chernoff exponents: the tilt and multiples (the lower bound's fold-down uses those
+        # above λ), and the plan's exponent for the window's top.
+        thetas = jnp.concatenate([lam * f64(_THETA_FACTORS), jnp.maximum(th_top, lam)[None] * f64([1.0, 1.5])])
+        a0 = None
+        if two_stage:
+            # Stage 1 per mechanism (blocks of ⌊k/m⌋ and ⌊k/m⌋ + 1 steps on a finer grid),
+            # then the blocks are composed below like mechanisms; their +∞ masses compose as
+            # Π(f + i)^k - Π f^k (f: a block's finite mass, which may exceed 1 - i).
+            mech, fin = [], []
+            for c, (kd, p_, k) in enumerate(zip(kinds, params, counts)):
+                for o, grid, p, p_inf, f, kb in blocks(kd, p_, k, direction, lam, bp, c, ranges[direction][c], n):
+                    mech.append((o, grid, p, p_inf))
+                    fin.append((f, p_inf, kb))
+            counts_s = [kb for _, _, kb in fin]
+            log_all = sum(kb * jnp.log(f + i) for f, i, kb in fin)
+            log_fin = sum(kb * jnp.log1p(-i / (f + i)) for f, i, kb in fin)
+            p_inf_tot = jnp.exp(log_all) * -jnp.expm1(log_fin)
+        else:
+            # Each mechanism's grid and masses (the grid depends on the spacing only). The grid
+            # ends at the mechanism's planned top (as in the plan): above it the moment
+            # generating function would be dominated by far tails that cost little δ.
+            mech, counts_s = [], counts
+            for kd, p_, k in zip(kinds, params, counts):
+                b1, t1 = jax.lax.stop_gradient(_single_range(kd, p_, direction, z))
+                o = jnp.floor(b1 / h)
+                grid = (o + j) * h
+                mech.append((o, grid) + tuple(masses(kd, p_, grid, h, direction, estimate, _cut(o, t1, h, n))))
+            log_keep_inf = sum(k * jnp.log1p(-jnp.minimum(m[3], 1.0 - 1e-16)) for k, m in zip(counts, mech))
+            p_inf_tot = -jnp.expm1(log_keep_inf)
         # The lower bound lowers each loss, by the estimated mean decrease (h/2 for privacy
         # buckets rounded down, less for merged buckets): its composed loss sits about
         # Σ_c k_c·decrease lower, and so does its window.
@@ -273,40 +302,16 @@ def compose(kinds, params, counts, n, tau, estimate, query, what):
             shift = jnp.minimum(shift, jnp.maximum(top_need - bottom_need - 2.0 * h, 0.0))
         a0 = jnp.ceil((top_need - jax.lax.stop_gradient(shift)) / h) - (n - 1)
         losses = (a0 + j) * h
-        spec = jnp.ones((n // 2 + 1,), dtype=jnp.complex128)
-        offset = jnp.zeros(())
-        log_keep_inf = jnp.zeros(())
-        big_lam = jnp.zeros(())
-        # Chernoff exponents: the tilt and multiples (the lower bound's fold-down uses those
-        # above λ), and the plan's exponent for the window's top.
-        thetas = jnp.concatenate([lam * f64(_THETA_FACTORS), jnp.maximum(th_top, lam)[None] * f64([1.0, 1.5])])
+        parts = [(o, grid, p) for o, grid, p, *_ in mech]
+        r_t, margin, big_lam = tilted_fft(parts, counts_s, lam, a0, n)
         log_mgf = jnp.zeros(thetas.shape)
         neg_mgf = jnp.zeros(thetas.shape)
-        norm_term = jnp.zeros(())
-        for k, (o, grid, p, p_inf, *_) in zip(counts, mech):
+        for k, (o, grid, p, *_) in zip(counts_s, mech):
             kf = jnp.where(jnp.isfinite(k), k, 0.0)
             logp = jnp.where(p > 0, jnp.log(jnp.where(p > 0, p, 1.0)), -jnp.inf)
-            a = _lse(logp, lam * grid)
-            pt = jnp.exp(jnp.where(p > 0, logp + lam * grid - a, -jnp.inf))
-            c = jnp.fft.rfft(pt)
-            spec = spec * safe_pow(c, k)
-            offset = offset + k * o
-            big_lam = big_lam + kf * a
-            log_keep_inf = log_keep_inf + k * jnp.log1p(-jnp.minimum(p_inf, 1.0 - 1e-16))
-            log_mgf = log_mgf + kf * _lse(logp[None, :], thetas[:, None] * grid[None, :])
+            log_mgf = log_mgf + kf * lse(logp[None, :], thetas[:, None] * grid[None, :])
             if estimate == "lower":
-                neg_mgf = neg_mgf + kf * _lse(logp[None, :], -thetas[:, None] * grid[None, :])
-            norm_term = norm_term + k * jax.lax.stop_gradient(jnp.sqrt(jnp.sum(pt * pt)))
-        # Roll the circular result so that entry j is bin a0 + j: multiply by a phase
-        # (an elementwise product; (f·s) mod n is exact in float64 for n ≤ 2^26).
-        s = jnp.mod(a0 - offset, n)
-        f = jnp.arange(n // 2 + 1, dtype=jnp.float64)
-        phase = 2.0 * math.pi * jnp.mod(f * s, n) / n
-        r_t = jnp.fft.irfft(spec * jnp.exp(1j * phase), n)
-        # The rounding margin carries no derivative (it is a bound on round-off).
-        spec_norm = jnp.sqrt(2.0 * jnp.sum(jnp.abs(jax.lax.stop_gradient(spec)) ** 2))
-        margin = 8.0 * _U * (math.log2(n) + 2.0) * (1.0 + norm_term) * (spec_norm + 1.0) + 4.0 * n * _U
-        p_inf_tot = -jnp.expm1(log_keep_inf)
+                neg_mgf = neg_mgf + kf * lse(logp[None, :], -thetas[:, None] * grid[None, :])
         top = (a0 + n) * h  # smallest loss above the window
         log_scale = big_lam - lam * losses
         if estimate == "upper":
