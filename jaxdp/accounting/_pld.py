@@ -245,7 +245,11 @@ def _one_jvp(kinds, sizes, n, tau, estimate, what, primals, tangents):
     # The partials hold the plan fixed: correct first derivatives, but their own derivative
     # is not the second derivative of ε (see the module docstring), so it raises.
     partials = _first_order_only(jax.jacfwd(f, argnums=tuple(range(len(primals))))(*primals))
-    t_out = sum(jnp.where(jnp.isfinite(g), g, 0.0) * t for g, t in zip(partials, tangents))
+    # Non-finite partials are 0 for the one-stage plan (flat pieces at ε = 0 or +inf). The
+    # two-stage plan's forward derivative can be NaN under some XLA flags (docs/pld.md): it
+    # stays NaN, never a silent 0.
+    fill = jnp.nan if estimate == "upper2" else 0.0
+    t_out = sum(jnp.where(jnp.isfinite(g), g, fill) * t for g, t in zip(partials, tangents))
     return out, t_out
 
 
