@@ -30,6 +30,15 @@ os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 # Tests run only with JAXDP_SLOW=1 because a faster test covers what they check (the
 # reason follows each). Listed here, by node id prefix, to keep CI's run under 10 minutes.
 SLOW_IN_CI = {
+    # Session 12. The x64-off cells of the transformation matrix cover these (the random
+    # allocation and Poisson PNSGD rows); the event's row is built from random_allocation_rdp's.
+    "tests/accounting/test_allocation.py::test_float64_with_x64_off",
+    "tests/accounting/test_transformations.py::test_vmap_jit_and_grad_jit_with_x64_off[random_allocation_event]",
+    "tests/accounting/test_pnsgd_poisson.py::test_jit_vmap_grad_in_both_x64_modes[False]",
+    # The opt-in two-stage PLD (stages=2, default 1): ~40 s of compilation each; the slow
+    # every-grid-size test checks it against the closed form at 2^10..2^20.
+    "tests/accounting/test_pld_stages.py::test_two_stage_never_below_closed_form",
+    "tests/accounting/test_pld_stages.py::test_two_stage_grad",
     # Session 10: covered by the transformation matrix (the sampling accountants' rows) or by a
     # sibling case of the same test; JAXDP_SLOW=1 runs them.
     "tests/accounting/test_sampling.py::test_jit_vmap_grad_in_both_x64_modes[trunc-False]",

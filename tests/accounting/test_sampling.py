@@ -9,6 +9,7 @@ of single-step output distributions (mpmath quadrature) as lower bounds for all 
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -67,7 +68,10 @@ def test_wor_curve_matches_dp_accounting_where_nothing_cancels():
     # σ ≤ 5: dp_accounting's forward differences keep their precision; the whole curve
     # (integer, fractional and the Stirling branch at 512 and 1024) agrees.
     orders = A.DEFAULT_ORDERS
-    for q, s in [(0.01, 1.0), (0.1, 0.5), (0.001, 5.0), (0.3, 2.0), (0.9, 0.7), (0.05, 3.0)]:
+    cases = [(0.01, 1.0), (0.1, 0.5), (0.9, 0.7)]
+    if os.environ.get("JAXDP_SLOW"):  # three more (dp_accounting's pure-Python curve is the cost)
+        cases += [(0.001, 5.0), (0.3, 2.0), (0.05, 3.0)]
+    for q, s in cases:
         mine = np.asarray(A.sampled_without_replacement_rdp(orders, q, s))
         ref = R._compute_rdp_sample_wor_gaussian(q, s, orders)
         np.testing.assert_allclose(mine, ref, rtol=1e-6)
