@@ -151,6 +151,11 @@ SLOW_IN_CI = {
     # is the same code path as the uncut step's equality with the sampled Gaussian (stays).
     "tests/accounting/test_pnsgd_poisson.py::test_jit_vmap_grad_in_both_x64_modes",
     "tests/accounting/test_pnsgd_poisson.py::test_truncated_batches_use_the_truncated_poisson_step",
+    # PNSGD with Poisson batches: the σ-grid calibration and an orbax resume (~10 s idle each).
+    "tests/training/test_pnsgd_poisson_train.py::test_target_epsilon_calibrates_the_poisson_hidden_state_bound",
+    "tests/training/test_pnsgd_poisson_train.py::test_poisson_resume_is_bit_identical",
+    # The command's glue over the mechanism (its tests above cover the run); compiles the truncated step's RDP.
+    "tests/training/test_pnsgd_poisson_train.py::test_the_command_line_trains_pnsgd_on_poisson_batches",
     # Example 23 draws the shuffling figure: its numbers are checked by test_figures and the
     # function by test_shuffle_lower.py.
     "tests/test_examples.py::test_example_smoke[23_shuffle_lower_bound.py]",

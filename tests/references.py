@@ -148,6 +148,34 @@ def allocation_remove_moment(t: int, sigma: float, alpha: int, dps: int = 40) ->
         return float(mp.log(total) - alpha * mp.log(t) - alpha / (2 * s2))
 
 
+def allocation_k_remove_moment(t: int, k: int, sigma: float, alpha: int, dps: int = 40) -> float:
+    """log E_Q[(P/Q)^α] of one epoch of random allocation of k of t steps, by brute force (mpmath).
+
+    P = C(t,k)^{-1} Σ_S N(1_S, σ²I_t) over the k-subsets S, Q = N(0, σ²I_t): for subsets
+    S_1..S_α with c_i = #{j : i ∈ S_j}, E_Q Π_j (P_{S_j}/Q) = exp((Σ_i c_i² − αk)/(2σ²)).
+    The α-tuples of subsets are counted exactly by their count vector c (integers), not
+    through any reduction to k = 1.
+    """
+    import itertools
+    from collections import Counter
+
+    subsets = list(itertools.combinations(range(t), k))
+    counts = Counter({(0,) * t: 1})
+    for _ in range(alpha):
+        nxt: Counter = Counter()
+        for c, n in counts.items():
+            for s in subsets:
+                c2 = list(c)
+                for i in s:
+                    c2[i] += 1
+                nxt[tuple(c2)] += n
+        counts = nxt
+    with mp.workdps(dps):
+        s2 = mp.mpf(sigma) ** 2
+        total = mp.fsum(n * mp.exp((sum(ci * ci for ci in c) - alpha * k) / (2 * s2)) for c, n in counts.items())
+        return float(mp.log(total) - alpha * mp.log(len(subsets)))
+
+
 def allocation_renyi_t2(alpha: float, sigma: float, direction: str, dps: int = 30) -> float:
     """D_α(P‖Q) ("remove") or D_α(Q‖P) ("add") of one balls-in-bins epoch with t = 2 steps (mpmath).
 

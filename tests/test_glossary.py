@@ -36,8 +36,8 @@ GLOSSARY = {
     "optimizer", "algorithm", "capacity", "overflow", "mask", "micro_batch_size",
     # truncated Poisson sampling (the cap on a batch; records beyond it are dropped)
     "max_batch_size",
-    # balls-in-bins / random allocation: steps of one pass; which direction of the divergence
-    "steps_per_pass", "direction",
+    # balls-in-bins / random allocation: steps of one pass, steps per record (k of t); which direction of the divergence
+    "steps_per_pass", "selected", "direction",
     # dp_accounting parity events: randomized response, zCDP, tree aggregation
     "noise_parameter", "num_buckets", "rho", "xi", "step_counts",
     # PNSGD with Poisson batches: how batches are drawn, fractions of the noise variance spent on the shift

@@ -102,6 +102,7 @@ from ._rdp import laplace_rdp as laplace_rdp
 from ._rdp import sampled_gaussian_rdp as sampled_gaussian_rdp
 from ._allocation import RandomAllocation as RandomAllocation
 from ._allocation import balls_in_bins_event as balls_in_bins_event
+from ._allocation import random_allocation_event as random_allocation_event
 from ._allocation import random_allocation_rdp as random_allocation_rdp
 from ._sampling import SampledWithoutReplacement as SampledWithoutReplacement
 from ._sampling import SampledWithReplacement as SampledWithReplacement
@@ -172,6 +173,7 @@ __all__ = [
     "sampled_without_replacement_rdp",
     "sampled_with_replacement_rdp",
     "truncated_poisson_rdp",
+    "random_allocation_event",
     "random_allocation_rdp",
     "heterogeneous_rdp",
     "rdp_to_epsilon",

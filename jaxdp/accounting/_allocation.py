@@ -1,4 +1,4 @@
-r"""Random allocation (balls-in-bins batching): the event and its certified RDP curve.
+r"""Random allocation (balls-in-bins batching, and k of t steps): the event and its certified RDP curve.
 
 Each epoch has t = ``steps_per_pass`` steps; every record takes part in exactly one of
 them, chosen uniformly at random and independently across records (k = 1 of t:
@@ -31,8 +31,14 @@ max(D_α(P‖Q), D_α(Q‖P)) per epoch, composed over epochs by :class:`SelfCom
     in u (a log-MGF) and so bounded by chords between nodes, and the u-integral of each
     chord bounded in closed form; rounding margins added. Every step is an upper bound.
 
+k of t steps (``selected=k``, each record in a uniformly random k-subset of the t steps):
+with t = km + r, 0 ≤ r < k, each direction is bounded by k − r epochs of 1 of m plus r
+epochs of 1 of m + 1 (a random partition into blocks, then one step per block, is exactly
+random allocation; mixtures over the hidden partition do not increase the divergence;
+the blocks compose concurrently). k = 1 runs the code above unchanged.
+
 The derivation, the decisions where the papers are incomplete and the checks are in
-docs/batch_schemes.md ("Random allocation").
+docs/batch_schemes.md ("Random allocation", "k of t steps").
 """
 
 from __future__ import annotations
@@ -50,7 +56,8 @@ from .. import _validate
 from .._numerics import f64, float64, take
 from ._events import Event, Gaussian, SelfComposed, _event, _is_structural, register_event_type, relation_of
 
-__all__ = ["RandomAllocation", "balls_in_bins_event", "random_allocation_rdp", "REMOVE_EXACT_MAX"]
+__all__ = ["RandomAllocation", "balls_in_bins_event", "random_allocation_event", "random_allocation_rdp",
+           "REMOVE_EXACT_MAX"]
 
 #: Largest integer order at which the remove direction is computed exactly (above it, the
 #: Gaussian α/(2σ²)); dp_accounting's default orders end at 256 below their far tail.
@@ -80,31 +87,43 @@ _MAP_BATCH = 8
 # =======================================================================================
 
 
-@_event(data=("steps_per_pass", "event"), meta=())
+@_event(data=("steps_per_pass", "event"), meta=("selected",))
 class RandomAllocation(Event):
-    """One epoch of ``steps_per_pass`` runs of ``event``, each record in one step chosen uniformly.
+    """One epoch of ``steps_per_pass`` runs of ``event``, each record in k of them chosen uniformly.
 
-    Balls-in-bins batching (random allocation of 1 of t steps, independently per record),
-    add/remove-one neighbours. The RDP accountant covers a :class:`Gaussian` inner event
-    with ``relation="add_remove"`` (σ over the clipping norm); see
+    Random allocation of k = ``selected`` of t steps (a uniformly random k-subset,
+    independently per record; k = 1 is balls-in-bins batching), add/remove-one
+    neighbours. The RDP accountant covers a :class:`Gaussian` inner event with
+    ``relation="add_remove"`` (σ over the clipping norm); see
     :func:`random_allocation_rdp`. Compose epochs with :class:`SelfComposed` (or use
-    :func:`balls_in_bins_event`).
+    :func:`balls_in_bins_event` / :func:`random_allocation_event`).
 
     Attributes:
       steps_per_pass: t ≥ 1, the number of steps (batches) per epoch (a leaf; integer).
       event: the event of one step.
+      selected: k, 1 ≤ k ≤ t, the number of steps each record takes part in per epoch
+        (static: a Python int; default 1).
     """
 
     steps_per_pass: Any
     event: Event
+    selected: Any = 1
 
     def __post_init__(self):
         if not isinstance(self.event, Event) and _is_structural(self.event):
             raise TypeError(f"RandomAllocation.event must be an Event; got {type(self.event).__name__}.")
+        _check_selected("RandomAllocation.selected", self.selected)
+
+
+def _check_selected(name: str, selected) -> None:
+    """k must be a static whole number ≥ 1 (it picks the block sizes of the reduction)."""
+    if isinstance(selected, bool) or not isinstance(selected, (int, np.integer)) or selected < 1:
+        raise ValueError(f"{name} must be a Python int ≥ 1 (static); got {selected!r}.")
 
 
 def _check_alloc(ev, path, chk, rec):
     _validate.check_integer(f"{path}.steps_per_pass (RandomAllocation)", ev.steps_per_pass, lo=1.0)
+    _validate.check_not_above(f"{path}.selected (RandomAllocation)", ev.selected, "steps_per_pass", ev.steps_per_pass)
     rec(ev.event, f"{path}.event")
 
 
@@ -137,11 +156,42 @@ def balls_in_bins_event(noise_multiplier, steps_per_pass, passes) -> SelfCompose
       >>> bool(A.epsilon(A.balls_in_bins_event(2.0, 100, 4), 1e-5) < e1)
       True
     """
+    return random_allocation_event(noise_multiplier, steps_per_pass, 1, passes)
+
+
+def random_allocation_event(noise_multiplier, steps_per_pass, selected: int, passes) -> SelfComposed:
+    r"""The event of a DP-SGD run in which each record takes part in k of the t steps of every pass.
+
+    Every pass (epoch) gives each record a uniformly random set of k = ``selected`` of its
+    t steps, independently across records and passes; each step adds Gaussian noise of
+    standard deviation σC to the sum of clipped gradients (add/remove-one neighbours):
+    ``SelfComposed(RandomAllocation(t, Gaussian(σ), selected=k), passes)``. k = 1 is
+    :func:`balls_in_bins_event`. Its ε is certified by :func:`random_allocation_rdp`
+    through the reduction of k of t to k passes of 1 of about t/k (docs/batch_schemes.md,
+    "k of t").
+
+    Args:
+      noise_multiplier: σ > 0, the noise standard deviation over the clipping norm.
+      steps_per_pass: t ≥ k (integer), the number of steps per epoch.
+      selected: k ≥ 1, a Python int (static): the steps each record takes part in per pass.
+      passes: number of passes (epochs) ≥ 0.
+
+    Returns:
+      The run's :class:`SelfComposed` event, add/remove-one neighbours.
+
+    Examples:
+      >>> from jaxdp import accounting as acc
+      >>> e2 = float(acc.epsilon(acc.random_allocation_event(2.0, 100, 2, 3), 1e-5))
+      >>> abs(e2 - float(acc.epsilon(acc.balls_in_bins_event(2.0, 50, 6), 1e-5))) < 1e-12  # 2 passes of 1 of 50
+      True
+    """
+    _check_selected("selected", selected)
     _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True)
     _validate.check_integer("steps_per_pass", steps_per_pass, lo=1.0)
+    _validate.check_not_above("selected", selected, "steps_per_pass", steps_per_pass)
     _validate.check_in_range("passes", passes, 0.0, math.inf)
     _validate.check_broadcastable(noise_multiplier=noise_multiplier, steps_per_pass=steps_per_pass, passes=passes)
-    return SelfComposed(RandomAllocation(steps_per_pass, Gaussian(noise_multiplier)), passes)
+    return SelfComposed(RandomAllocation(steps_per_pass, Gaussian(noise_multiplier), selected=int(selected)), passes)
 
 
 # =======================================================================================
@@ -299,11 +349,13 @@ _DIRECTIONS = ("both", "remove", "add")
 
 
 @float64
-def random_allocation_rdp(orders, steps_per_pass, noise_multiplier, *, direction: str = "both") -> jax.Array:
-    r"""Certified RDP of one epoch of balls-in-bins (random allocation of 1 of t steps), Gaussian steps.
+def random_allocation_rdp(orders, steps_per_pass, noise_multiplier, *, selected: int = 1,
+                          direction: str = "both") -> jax.Array:
+    r"""Certified RDP of one epoch of random allocation (k of t steps per record), Gaussian steps.
 
     Add/remove-one neighbours; P the epoch's output with the record, Q without (module
-    docstring). ``direction="both"`` (the guarantee) is the larger of
+    docstring). For k = 1 (balls-in-bins), ``direction="both"`` (the guarantee) is the
+    larger of
 
     .. math::
         ε_{rem}(α) = \frac{1}{α-1}\log\Big(t^{-α}\,α!\,[x^α]\Big(\sum_{k≥0} \frac{e^{k(k-1)/(2σ^2)}}{k!}x^k\Big)^t\Big),
@@ -313,10 +365,19 @@ def random_allocation_rdp(orders, steps_per_pass, noise_multiplier, *, direction
     of E_Q[(P/Q)^α]), at ⌈α⌉ for fractional α and α/(2σ²) above; the second the AM–GM bound and a certified
     quadrature (see the module docstring). t = 1 gives the Gaussian α/(2σ²) exactly.
 
+    For k > 1, with m = ⌊t/k⌋ and r = t − km, each direction is bounded by the composition
+    of k − r epochs of 1 of m and r epochs of 1 of m + 1 steps,
+
+    .. math:: ε^{(k,t)}_{dir}(α) \le (k - r)\,ε^{(1,m)}_{dir}(α) + r\,ε^{(1,m+1)}_{dir}(α),
+
+    and the guarantee is the larger of the two directions (the reduction is stated and
+    proved in docs/batch_schemes.md, "k of t").
+
     Args:
       orders: Rényi orders > 1, a concrete 1-D sequence (static).
-      steps_per_pass: t ≥ 1, integer (any shape, broadcast with ``noise_multiplier``).
+      steps_per_pass: t ≥ k, integer (any shape, broadcast with ``noise_multiplier``).
       noise_multiplier: σ > 0 over the clipping norm (add/remove-one sensitivity).
+      selected: k ≥ 1, the steps each record takes part in per epoch (a Python int; static).
       direction: ``"both"`` (default), ``"remove"`` (D_α(P‖Q)) or ``"add"`` (the bound on
         D_α(Q‖P)); static.
 
@@ -325,8 +386,10 @@ def random_allocation_rdp(orders, steps_per_pass, noise_multiplier, *, direction
 
     References:
       V. Feldman, M. Shenfeld, "Privacy amplification by random allocation", arXiv
-      2502.08202 (the dominating pair; the multinomial form of the remove direction);
-      L. Chua et al., "Balls-and-bins sampling for DP-SGD", AISTATS 2025, arXiv 2412.16802.
+      2502.08202 (the dominating pair; the multinomial form of the remove direction; k of t
+      through 1 of ⌊t/k⌋ and ⌈t/k⌉); L. Chua et al., "Balls-and-bins sampling for DP-SGD",
+      AISTATS 2025, arXiv 2412.16802; X. Lyu, "Composition theorems for interactive
+      differential privacy", NeurIPS 2022 (concurrent composition of RDP).
 
     Examples:
       >>> import jaxdp
@@ -336,17 +399,23 @@ def random_allocation_rdp(orders, steps_per_pass, noise_multiplier, *, direction
       >>> r = jaxdp.accounting.random_allocation_rdp([2.0], 2, 1.0, direction="remove")
       >>> bool(abs(float(r[0]) - __import__("math").log((1 + __import__("math").e) / 2)) < 1e-10)  # exact + margin
       True
+      >>> k2 = float(jaxdp.accounting.random_allocation_rdp([2.0], 100, 1.0, selected=2)[0])  # 2 of 100
+      >>> k1 = float(jaxdp.accounting.random_allocation_rdp([2.0], 50, 1.0)[0])  # 1 of 50
+      >>> abs(k2 - 2 * k1) < 1e-12  # twice 1 of 50
+      True
     """
     orders_np = _validate.concrete_orders(orders)
     _validate.check_static_choice("direction", direction, _DIRECTIONS)
+    _check_selected("selected", selected)
     _validate.check_integer("steps_per_pass", steps_per_pass, lo=1.0)
+    _validate.check_not_above("selected", selected, "steps_per_pass", steps_per_pass)
     _validate.check_in_range("noise_multiplier", noise_multiplier, 0.0, math.inf, lo_open=True)
     _validate.check_broadcastable(steps_per_pass=steps_per_pass, noise_multiplier=noise_multiplier)
-    return _alloc_rdp(orders_np, f64(steps_per_pass), f64(noise_multiplier), direction)
+    return _alloc_rdp(orders_np, f64(steps_per_pass), f64(noise_multiplier), direction, int(selected))
 
 
-def _alloc_one(orders_np, t, sigma, direction: str):
-    """The curve of one (scalar) configuration, assumed valid."""
+def _alloc_dirs(orders_np, t, sigma, direction: str):
+    """The curves of one (scalar) configuration, assumed valid: ``[remove, add]`` (or the one asked)."""
     orders = f64(orders_np)
     gauss = orders * (0.5 / sigma**2)
     out = []
@@ -367,19 +436,39 @@ def _alloc_one(orders_np, t, sigma, direction: str):
         quad = _add_log_moment(betas, t, sigma) / f64(betas)
         quad = jnp.where(jnp.isnan(quad), jnp.inf, quad)
         out.append(jnp.maximum(jnp.minimum(amgm, quad), 0.0))
+    return out
+
+
+def _alloc_one(orders_np, t, sigma, direction: str):
+    """The curve of one (scalar) configuration, assumed valid (k = 1)."""
+    out = _alloc_dirs(orders_np, t, sigma, direction)
     return out[0] if len(out) == 1 else jnp.maximum(out[0], out[1])
 
 
-def _alloc_rdp(orders_np, t, sigma, direction: str = "both"):
+def _alloc_rdp(orders_np, t, sigma, direction: str = "both", selected: int = 1):
     shape = jnp.broadcast_shapes(jnp.shape(t), jnp.shape(sigma))
     tf = jnp.broadcast_to(t, shape).reshape(-1)
     sf = jnp.broadcast_to(sigma, shape).reshape(-1)
-    valid = (tf >= 1) & (tf == jnp.floor(tf)) & jnp.isfinite(tf) & (sf > 0) & jnp.isfinite(sf)
-    t_s = jnp.where(valid, tf, 1.0)
+    valid = (tf >= selected) & (tf == jnp.floor(tf)) & jnp.isfinite(tf) & (sf > 0) & jnp.isfinite(sf)
+    t_s = jnp.where(valid, tf, float(selected))
     s_s = jnp.where(valid, sf, 1.0)
-    # One configuration at a time (a few MB of work arrays each), a few in parallel.
-    curve = jax.lax.map(lambda ts: _alloc_one(orders_np, ts[0], ts[1], direction), jnp.stack([t_s, s_s], axis=1),
-                        batch_size=_MAP_BATCH)
+    if selected == 1:
+        # One configuration at a time (a few MB of work arrays each), a few in parallel.
+        curve = jax.lax.map(lambda ts: _alloc_one(orders_np, ts[0], ts[1], direction), jnp.stack([t_s, s_s], axis=1),
+                            batch_size=_MAP_BATCH)
+    else:
+        # k of t: k − r epochs of 1 of m and r of 1 of m + 1 steps, per direction (m = ⌊t/k⌋,
+        # exact in float64 for t < 2^31; docs/batch_schemes.md, "k of t").
+        m = jnp.floor(t_s / selected)
+        r = t_s - selected * m
+        n = t_s.shape[0]
+        both = jax.lax.map(lambda ts: jnp.stack(_alloc_dirs(orders_np, ts[0], ts[1], direction)),
+                           jnp.stack([jnp.concatenate([m, m + 1.0]), jnp.concatenate([s_s, s_s])], axis=1),
+                           batch_size=_MAP_BATCH)  # (2n, directions, orders)
+        lo_w = (selected - r)[:, None, None]
+        hi_w = r[:, None, None]
+        dirs = lo_w * both[:n] + jnp.where(hi_w > 0, hi_w * both[n:], 0.0)
+        curve = jnp.max(dirs, axis=1)
     curve = jnp.where(valid[:, None], curve, jnp.nan)
     return curve.reshape(shape + (len(orders_np),))
 
@@ -402,4 +491,4 @@ def check_support(event, path: str) -> None:
 
 def rdp_curve(event, orders: np.ndarray):
     """The RDP curve of one :class:`RandomAllocation` epoch (both directions)."""
-    return _alloc_rdp(orders, f64(event.steps_per_pass), f64(event.event.noise_multiplier))
+    return _alloc_rdp(orders, f64(event.steps_per_pass), f64(event.event.noise_multiplier), "both", event.selected)

@@ -6,10 +6,10 @@ accountant uses:
 
 * :class:`SampledWithoutReplacement`: a uniformly random subset of ``batch_size`` = m of
   the ``num_records`` = n records, **replace-one** neighbours (n is public). RDP: Wang,
-  Balle & Kasiviswanathan (AISTATS 2019), Theorem 27, computed exactly as dp_accounting
-  0.6.0 does (:func:`sampled_without_replacement_rdp`; same forward differences in log
-  space, same interpolation of the CGF at fractional orders, same Stirling branch above
-  order 256), so the two agree to rounding.
+  Balle & Kasiviswanathan (AISTATS 2019), Theorem 27, computed as dp_accounting 0.6.0
+  does (:func:`sampled_without_replacement_rdp`; the same forward differences, kept as
+  ratios instead of logs, same interpolation of the CGF at fractional orders, same
+  Stirling branch above order 256), so the two agree to rounding where nothing cancels.
 * :class:`SampledWithReplacement`: m draws uniformly with replacement (a record may appear
   K ~ Binomial(m, 1/n) times), **replace-one** neighbours. dp_accounting 0.6.0 has the
   event but no accountant for it. RDP here (:func:`sampled_with_replacement_rdp`): the
@@ -73,6 +73,8 @@ _WOR_EXACT_MAX = 256
 _TAU_MARGIN = 1e-9
 # Units in the last place charged per operation of the forward-difference recurrence.
 _FD_ULPS = 8.0
+# Stages of the forward-difference recurrence between two narrowings of its array.
+_FD_CHUNK = 32
 
 
 # =======================================================================================
@@ -200,49 +202,72 @@ def _log_comb(n, k):
 
 
 def _forward_diffs(sigma, n: int):
-    r"""log|Δ^{i+1} e^{c}|(-1) for i = 0..n+1, c(x) = x(x+1)/(2σ²), and a bound on its rounding error.
+    r"""log|Δ^k e^{c}|(-1) for k = 1..n+2, c(x) = x(x+1)/(2σ²), and a bound on its rounding error.
 
-    The same log-space recurrence with signs as dp_accounting's ``_get_forward_diffs``, one
-    stage per difference order (each stage differences every adjacent pair at once). High
-    differences of a slowly growing e^c cancel catastrophically (σ ≳ 10): dp_accounting's
-    values there are rounding noise, which can fall below the true difference. So a
-    first-order bound on the absolute rounding error is carried along (each operation adds
-    ``_FD_ULPS`` units in the last place of its largest operand and of its result), and the
-    caller uses |computed| + error, an upper bound on the true |Δ|; where nothing cancels
-    the error is ~1e-14 relative and the value is dp_accounting's.
+    dp_accounting's ``_get_forward_diffs`` runs the recurrence Δ^{k+1}f(x) = Δ^k f(x+1) −
+    Δ^k f(x) in log space with signs (a log1p and an exp per entry and stage, and logs of
+    size c ≈ k²/2σ² whose absolute rounding grows with c: ~1e-7 relative in Δ at σ = 0.3,
+    k = 258). Here each Δ^k f(x_j) is kept as M^k_j · f(x_{j+k}) (x_j = j − 1): then
+
+    .. math:: M^{k+1}_j = M^k_{j+1} - r_{j+k} M^k_j, \qquad r_i = f(x_i)/f(x_{i+1}) = e^{-i/σ^2} ≤ 1,
+
+    one multiply and one subtract per entry, |M^k| ≤ 2^k (f increases), and
+    log|Δ^k f(-1)| = log|M^k_0| + c(k − 1). High differences of a slowly growing f cancel
+    catastrophically (σ ≳ 5) in any order of summation, so a first-order bound on the
+    absolute rounding error of M is carried along (``_FD_ULPS`` units in the last place
+    per operation on its operands, and the rounding of r_i, relative ``_FD_ULPS``·(1 + i/σ²)
+    ulps); the caller uses |computed| + error, an upper bound on the true |Δ|. Against 400
+    digits (mpmath) the bound is above the truth and closer to it than the log-space
+    recurrence everywhere checked (σ from 0.3 to 9, k up to 258).
 
     Returns:
-      ``(log_abs, log_err)``, each of shape ``(batch, n + 2)``.
+      ``(log_abs, log_err)``, each of shape ``(batch, n + 2)``, entry k − 1 for Δ^k.
     """
-    x = jnp.arange(-1.0, n + 2.0)  # j - 1 for j = 0..n+2
-    vec = (x * (x + 1.0))[None, :] / (2.0 * sigma[:, None] ** 2)
-    signs = jnp.ones(vec.shape, dtype=bool)
-    log_eps = math.log(_FD_ULPS * 2.0**-52)
-    err = vec + log_eps + jnp.log1p(jnp.abs(vec))
+    u = _FD_ULPS * 2.0**-52
+    w = n + 3  # f at x = -1, 0, ..., n + 1
+    inv = 1.0 / sigma[:, None] ** 2
+    j = jnp.arange(w - 1, dtype=jnp.float64)[None, :]
+    r_j = jnp.exp(-j * inv)
 
-    def stage(carry, _):
-        v, s, e = carry
-        a, b, sa, sb = v[:, :-1], v[:, 1:], s[:, :-1], s[:, 1:]
-        hi, lo = jnp.maximum(a, b), jnp.minimum(a, b)
-        hi_f = jnp.where(jnp.isfinite(hi), hi, 0.0)
-        d = jnp.where(jnp.isfinite(lo), lo - hi_f, -jnp.inf)
-        # Same signs: log|e^b - e^a| (sign: b > a, toggled when both are negative).
-        sub = jnp.where(a == b, -jnp.inf, hi + jnp.log1p(-jnp.exp(jnp.where(a == b, -1.0, d))))
-        sub_sign = jnp.where(a == b, True, b > a)
-        sub_sign = jnp.where(sb, sub_sign, ~sub_sign)
-        # Different signs: log(e^a + e^b), sign of b.
-        add = jnp.where(jnp.isfinite(lo), hi + jnp.log1p(jnp.exp(d)), hi)
-        new_v = jnp.where(sa == sb, sub, add)
-        new_s = jnp.where(sa == sb, sub_sign, sb)
-        new_e = jnp.logaddexp(jnp.logaddexp(e[:, :-1], e[:, 1:]),
-                              jnp.logaddexp(hi, new_v + jnp.log1p(jnp.abs(hi_f))) + log_eps)
-        v = jnp.concatenate([new_v, v[:, -1:]], axis=1)
-        s = jnp.concatenate([new_s, s[:, -1:]], axis=1)
+    def stage(carry, k):
+        # r_{j+k} = e^{-j/σ²} e^{-k/σ²} (products, not slices of one long row: a dynamic
+        # slice's transpose builds float32 zeros under grad with x64 off). Its rounding,
+        # relative, in ulps: 1/σ² and the exponents 3|t| (t = -(j+k)/σ²), the two exps and
+        # the product 5 (XLA's exp within 2), so 5 + 3|t| ≤ _FD_ULPS (1 + |t|); plus the
+        # smallest normal double, absolute, where a factor or the product is subnormal.
+        m, e = carry
+        width = m.shape[1]
+        rk = r_j[:, : width - 1] * jnp.exp(-k * inv)
+        rek = rk * (u * (1.0 + (j[:, : width - 1] + k) * inv)) + 2.0**-1022
+        a, b, ea, eb = m[:, :-1], m[:, 1:], e[:, :-1], e[:, 1:]
+        ar = a * rk
+        new_e = eb + ea * (rk + rek) + jnp.abs(a) * rek + u * (jnp.abs(b) + jnp.abs(ar))
+        m = jnp.concatenate([b - ar, m[:, -1:]], axis=1)
         e = jnp.concatenate([new_e, e[:, -1:]], axis=1)
-        return (v, s, e), (v[:, 0], e[:, 0])
+        return (m, e), (m[:, 0], e[:, 0])
 
-    _, (out, out_err) = jax.lax.scan(stage, (vec, signs, err), None, length=n + 2)
-    return out.T, out_err.T
+    # Stage k needs the entries j ≤ n + 2 − k only: every _FD_CHUNK stages the columns no
+    # later stage reads are dropped (about half the work of a fixed width).
+    m = jnp.ones(sigma.shape + (w,))
+    e = jnp.zeros_like(m)
+    outs, errs = [], []
+    for k0 in range(0, n + 2, _FD_CHUNK):
+        k1 = min(k0 + _FD_CHUNK, n + 2)
+        keep = w - k0  # columns j = 0 .. n + 2 - k0
+        (m, e), (o, oe) = jax.lax.scan(stage, (m[:, :keep], e[:, :keep]), jnp.arange(k0, k1, dtype=jnp.float64))
+        outs.append(o)
+        errs.append(oe)
+    out, out_err = jnp.concatenate(outs), jnp.concatenate(errs)
+    k = jnp.arange(1.0, n + 3.0)[None, :]
+    c = (k - 1.0) * k * inv / 2.0  # log f(x_k): the scale of Δ^k f(x_0)
+    c = c + jnp.log1p(u * (1.0 + c))  # its rounding, outwards
+    return _safe_log(jnp.abs(out.T)) + c, _safe_log(out_err.T) + c
+
+
+def _safe_log(x):
+    # log x, -inf at 0 with a zero (not NaN) derivative there (Δ^1 f(-1) = f(0) - f(-1) = 0).
+    pos = x > 0
+    return jnp.where(pos, jnp.log(jnp.where(pos, x, 1.0)), -jnp.inf)
 
 
 @functools.cache
@@ -277,7 +302,7 @@ def _wor_log_a(q, sigma, plan):
     n_ex = plan["max_exact"]
     log_q = jnp.log(jnp.where(q > 0, q, 1.0))[:, None]
     f2 = 1.0 / sigma**2  # func(2) = 2/(2σ²)
-    log_f2m1 = f2 + jnp.log1p(-jnp.exp(-f2))
+    log_f2m1 = f2 + jnp.log(-jnp.expm1(-f2))  # log(e^{f2} - 1) without cancellation at large σ
     s2 = jnp.minimum(math.log(4.0) + log_f2m1, f2 + math.log(2.0))  # (batch,)
     cgf_im1 = (i_idx - 1.0)[None, :] * i_idx[None, :] / (2.0 * sigma[:, None] ** 2)  # cgf(i - 1)
     stirling = math.log(2.0) + cgf_im1  # (batch, I)
@@ -293,20 +318,37 @@ def _wor_log_a(q, sigma, plan):
     # constants under vmap with x64 off).
     exact_t = jnp.concatenate([s2[:, None], exact_t[:, 1:]], axis=1)
     stir_t = jnp.concatenate([s2[:, None], stirling[:, 1:]], axis=1)
-    # Rows (orders) up to 256 sum i = 2..n_ex with the exact terms; the few above (512,
-    # 1024) sum the whole range with the Stirling-branch terms (the rows are sorted).
-    n_e = int(np.sum(plan["exact"]))
-    w = len(ii)
+    # Rows (orders) up to 256 sum i = 2..α with the exact terms; the few above (512, 1024)
+    # sum i = 2..α with the Stirling-branch terms. The rows are sorted; each group of rows
+    # (α up to 16, 32, 64, ...) sums only the i its largest α needs (the default orders:
+    # 2..63 need i ≤ 63, not the 255 of order 256).
     parts = []
-    for rows, terms, width in ((slice(0, n_e), exact_t, w), (slice(n_e, None), stir_t, len(i_idx))):
+    for rows, terms in _wor_row_groups(plan["ints"], exact_t, stir_t):
+        width = int(plan["ints"][rows.stop - 1]) - 1  # i = 2..α_max
         lc, mk = plan["log_comb"][rows, :width], plan["mask"][rows, :width]
         if lc.shape[0] == 0:
             continue
         term = terms[:, None, :width] + i_idx[None, None, :width] * log_q[:, :, None] + lc[None]
         term = jnp.where(mk[None], term, -jnp.inf)
-        full = jnp.concatenate([jnp.zeros(term.shape[:2] + (1,)), term], axis=-1)  # log 1 = 0 first
-        parts.append(jax.nn.logsumexp(full, axis=-1))
+        # log A = log(1 + Σ_j e^{term_j}), through log1p: A − 1 may be ~1e-6 (large σ, small q),
+        # where log of the rounded 1 + x would lose u/x relative (below the theorem).
+        parts.append(jnp.logaddexp(jax.nn.logsumexp(term, axis=-1), 0.0))
     return jnp.concatenate(parts, axis=1)
+
+
+def _wor_row_groups(ints, exact_t, stir_t):
+    """Consecutive row slices of the plan's sorted integer orders and the terms each sums."""
+    groups, start = [], 0
+    for r in range(1, len(ints) + 1):
+        if r == len(ints) or _wor_bucket(ints[r]) != _wor_bucket(ints[start]):
+            groups.append((slice(start, r), exact_t if ints[start] <= _WOR_EXACT_MAX else stir_t))
+            start = r
+    return groups
+
+
+def _wor_bucket(alpha) -> tuple[bool, int]:
+    # Rows grouped by branch and by the power of two at or above α (at least 16).
+    return bool(alpha > _WOR_EXACT_MAX), max(4, int(math.ceil(math.log2(alpha))))
 
 
 @float64
@@ -320,8 +362,9 @@ def sampled_without_replacement_rdp(orders, q, noise_multiplier) -> jax.Array:
         A_α = 1 + q^2\binom{α}{2}\min\{4(e^{ε(2)}-1), 2e^{ε(2)}\}
               + \sum_{j=3}^{α} q^j\binom{α}{j}\min\{4\,\sqrt{Δ_{2⌊j/2⌋}Δ_{2⌈j/2⌉}},\ 2e^{(j-1)ε(j)}\}
 
-    with Δ_ℓ the ℓ-th forward difference of :math:`e^{(x-1)... }` as dp_accounting
-    evaluates it, and ε(α) = log A_α/(α−1); at fractional α the CGF log A is interpolated
+    with Δ_ℓ the ℓ-th forward difference of :math:`f(x) = e^{x(x+1)/(2σ^2)}` at x = −1 (as
+    dp_accounting takes it, plus a bound on its rounding where it cancels, σ ≳ 5), and
+    ε(α) = log A_α/(α−1); at fractional α the CGF log A is interpolated
     linearly between ⌊α⌋ and ⌈α⌉ (their Corollary 10); above order 256 the j ≥ 3 terms use
     the second member of the minimum only (as dp_accounting). q = 0 gives 0, q = 1 gives
     α/(2σ²).

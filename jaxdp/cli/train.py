@@ -48,11 +48,14 @@ def add_parser(sub) -> None:
                         "bias-free Lipschitz ReLU network, --model mlp; Chen & Liu 2024's hidden-state bound, which "
                         "sums the layers without proof; needs --noise-temperature and --contraction)")
     p.add_argument("--sampler", choices=("poisson", "truncated-poisson", "fixed-size", "balls-in-bins", "shuffle"),
-                   default="poisson",
-                   help="--algorithm dpsgd: the batch scheme (default poisson; the epsilon is always the scheme's): "
+                   default=None,
+                   help="the batch scheme; the epsilon is always the scheme's. --algorithm dpsgd (default poisson): "
                         "truncated-poisson (needs --max-batch-size), fixed-size (without replacement, replace-one "
-                        "neighbours), balls-in-bins or shuffle (no amplification certified: the report says so first); "
-                        "--batch-size sets the (expected) batch")
+                        "neighbours), balls-in-bins or shuffle (no amplification certified: the report says so first). "
+                        "--algorithm pnsgd (default: the fixed shuffled-once order): poisson or truncated-poisson, "
+                        "secret Poisson batches with the hidden-state bound that stops growing after a burn-in "
+                        "(needs eta*beta*B/b <= 2, B the --max-batch-size); shuffle is refused (no sound hidden-state "
+                        "analysis). --batch-size sets the (expected) batch")
     p.add_argument("--max-batch-size", "--max-batch", type=int, default=None, metavar="B", dest="max_batch_size",
                    help="--sampler truncated-poisson: the cap on a batch (records beyond it are dropped)")
     p.add_argument("--model", choices=_MODELS, default="softmax",
@@ -230,7 +233,7 @@ def run(args) -> int:
             mechanism = DPSGDMechanism(**common, **noise, passes=passes, sampler=_sampler(args))
         else:
             mechanism = PNSGDMechanism(**common, **noise, passes=passes, radius=args.radius,
-                                       schedule=args.schedule.replace("-", "_"))
+                                       schedule=args.schedule.replace("-", "_"), **_pnsgd_sampling(args))
         options = RunOptions(checkpoint_dir=args.checkpoint_dir, resume=args.resume, devices=args.devices,
                              progress=not args.json and sys.stderr.isatty())
         start = time.perf_counter()
@@ -258,7 +261,8 @@ def run(args) -> int:
         "train_seconds": res.seconds, "total_seconds": total,
     }
     if args.algorithm == "dpsgd":
-        payload["sampler"] = args.sampler
+        payload["sampler"] = args.sampler or "poisson"
+    if args.algorithm == "dpsgd" or rep.note:
         payload["note"] = rep.note
     if args.algorithm == "dpsgd":
         plot = None  # epsilon is the same for every record: nothing to plot
@@ -298,16 +302,30 @@ def run(args) -> int:
     return status
 
 
+def _pnsgd_sampling(args) -> dict:
+    """PNSGD's ``sampling`` and ``max_batch_size`` from --sampler (none: the fixed order)."""
+    if args.sampler is None:
+        return {}
+    return {"sampling": "poisson", "max_batch_size": args.max_batch_size}
+
+
 def _sampler(args):
     """DP-SGD's sampler from --sampler and --max-batch (None: Poisson, as without the option)."""
-    if args.algorithm != "dpsgd" and args.sampler != "poisson":
-        raise _Usage(f"--sampler {args.sampler} needs --algorithm dpsgd")
+    if args.algorithm == "pnsgd" and args.sampler == "shuffle":
+        raise _Usage("--sampler shuffle is not available with --algorithm pnsgd: no sound hidden-state analysis of "
+                     "reshuffled batches is known (docs/hidden_state_poisson.md); use --sampler poisson or "
+                     "truncated-poisson, the fixed order (no --sampler), or --algorithm dpsgd --sampler shuffle")
+    pnsgd_ok = ("poisson", "truncated-poisson")
+    if args.sampler is not None and args.algorithm != "dpsgd" and not (args.algorithm == "pnsgd"
+                                                                         and args.sampler in pnsgd_ok):
+        raise _Usage(f"--sampler {args.sampler} needs --algorithm dpsgd"
+                     + (" or pnsgd" if args.sampler in pnsgd_ok else ""))
     if (args.max_batch_size is not None) != (args.sampler == "truncated-poisson"):
         raise _Usage("--sampler truncated-poisson needs --max-batch-size, and --max-batch-size needs --sampler "
                      "truncated-poisson")
     if args.max_batch_size is not None and args.max_batch_size < 1:
         raise _Usage(f"--max-batch-size must be an integer >= 1; got {args.max_batch_size}")
-    if args.sampler == "poisson":
+    if args.sampler in (None, "poisson") or args.algorithm != "dpsgd":
         return None
     from ..training import samplers
 
@@ -374,7 +392,7 @@ def _dpsgd_lines(ds, args, res, rep, led, total) -> list[str]:
         f"  assumptions: {rep.reason}",
         (f"DP-SGD on {ds.name} ({len(ds.x_train)} train / {len(ds.x_test)} test), {args.model} model, {led.passes} "
          f"pass(es) = {led.total_steps} steps of expected batch {led.batch_size} (q = {led.q:.4g}), "
-         f"{args.sampler} batches"),
+         f"{args.sampler or 'poisson'} batches"),
         (f"  learning rate={led.learning_rate}, noise multiplier={led.noise_multiplier:g} (relative to C, as in "
          f"Opacus), C={led.clip_norm:.4g}, delta={led.delta:g}"),
         f"test accuracy: {100 * res.test_accuracy:.1f} %   (training {res.seconds:.1f} s, total {total:.1f} s)",
@@ -386,6 +404,9 @@ def _pnsgd_lines(ds, args, res, rep, led, total) -> list[str]:
     comp = rep.summary(rep.composition)
     runs = ("one pass stopped at a secret uniform step" if led.schedule == "random_stop"
             else f"{led.passes} pass(es) of {led.steps_per_pass} batches of {led.batch_size}")
+    if getattr(led, "sampling", "sequential") == "poisson":
+        runs = (f"{led.total_steps} steps of secret Poisson batches (q = {led.q:.4g}, expected {led.batch_size}"
+                + (f", cut to {led.max_batch_size}" if led.max_batch_size else "") + ")")
     lines = [
         f"  assumptions: {rep.reason}",
         (f"PNSGD on {ds.name} ({len(ds.x_train)} train / {len(ds.x_test)} test), {args.model} model, {runs}"

@@ -191,11 +191,15 @@ class DPSGDStepOutput(NamedTuple):
       batch_size: the realised Poisson batch size (private: do not publish per step).
       max_grad_norm: the largest unclipped per-example gradient norm in the batch.
       chunks: padded chunks the step ran (1 unless the batch exceeded the capacity).
+      clipped: sampled per-example gradients whose norm was not at most :math:`C` (NaN
+        counted), ``int32``: PNSGD with Poisson batches needs none clipped for its
+        hidden-state guarantee.
     """
 
     batch_size: jax.Array
     max_grad_norm: jax.Array
     chunks: jax.Array
+    clipped: jax.Array | None = None
 
 
 def dpsgd_step(loss_fn, graphdef, rest, tx: optax.GradientTransformation, params: Any, opt_state: Any,
@@ -255,7 +259,7 @@ def dpsgd_step(loss_fn, graphdef, rest, tx: optax.GradientTransformation, params
     chunks = (size + capacity - 1) // capacity
 
     def body(carry):
-        k, acc, maxn = carry
+        k, acc, maxn, clipped = carry
         idx = jax.lax.dynamic_slice(padded, (k * capacity,), (capacity,))
         valid = k * capacity + jnp.arange(capacity) < size
         if mesh is None:
@@ -266,19 +270,20 @@ def dpsgd_step(loss_fn, graphdef, rest, tx: optax.GradientTransformation, params
                                            use_fast_path=use_fast_path, wrt=wrt)
         acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, cg.grad_sum)
         maxn = jnp.maximum(maxn, jnp.max(jnp.where(valid, cg.norms, 0.0)).astype(maxn.dtype))
-        return k + 1, acc, maxn
+        over = valid & ~(cg.norms <= jnp.asarray(clip_norm, cg.norms.dtype))
+        return k + 1, acc, maxn, clipped + jnp.sum(over).astype(jnp.int32)
 
     zero = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=accumulation_dtype(p.dtype)), params)
     if micro_batch_size is None:
         # The first chunk runs outside the loop (a padded empty batch adds exact zeros): the
         # common one-chunk step is then straight-line code, which matters on CPU, where XLA runs
         # convolutions inside a while loop about 10x slower than outside.
-        first = body((jnp.zeros((), jnp.int32), zero, jnp.zeros((), jnp.float32)))
+        first = body((jnp.zeros((), jnp.int32), zero, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)))
     else:
         # Fixed-shape micro-batches covering the capacity in a scan; the rare overflow after.
         first = jax.lax.scan(lambda c, _: (body(c), None), (jnp.zeros((), jnp.int32), zero,
-                             jnp.zeros((), jnp.float32)), None, length=fixed)[0]
-    _, grad_sum, maxn = jax.lax.while_loop(lambda c: c[0] < chunks, body, first)
+                             jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)), None, length=fixed)[0]
+    _, grad_sum, maxn, clipped = jax.lax.while_loop(lambda c: c[0] < chunks, body, first)
     updates, opt_state = tx.update(grad_sum, opt_state, params)
     params = optax.apply_updates(params, updates)
-    return params, opt_state, DPSGDStepOutput(size, maxn, chunks)
+    return params, opt_state, DPSGDStepOutput(size, maxn, chunks, clipped)

@@ -30,11 +30,12 @@ Which guarantee is reported:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..accounting import PNSGD, pnsgd_privacy
+from ..accounting import DEFAULT_ORDERS, PNSGD, pnsgd_privacy, poisson_pnsgd_rdp, rdp_to_epsilon
 from ._ledger_dp import DPSBCDLedger, DPSGDLedger, _dpsbcd_report, _dpsgd_report
 from ._report import NOT_PRIVATE as NOT_PRIVATE
 from ._report import PrivacyReport
@@ -85,6 +86,11 @@ class PrivacyLedger(NamedTuple):
       clipped: number of per-example gradients whose norm exceeded :math:`C` so far.
       max_grad_norm: the largest unclipped per-example gradient norm seen so far.
       intermediates_released: whether the caller asked for the intermediate iterates.
+      sampling: ``"sequential"`` (the fixed order) or ``"poisson"`` (secret Poisson batches at
+        rate ``q``, cut to ``max_batch_size``; the event is ``PNSGD(..., sampling="poisson")``
+        and every record gets the same ε).
+      q: the Poisson rate :math:`b/N` (``None`` for the fixed order).
+      max_batch_size: the cut :math:`B` of the Poisson batches, or ``None``.
     """
 
     analysis: str
@@ -113,6 +119,9 @@ class PrivacyLedger(NamedTuple):
     clipped: int
     max_grad_norm: float
     intermediates_released: bool
+    sampling: str = "sequential"
+    q: float | None = None
+    max_batch_size: int | None = None
 
     def public(self) -> dict[str, Any]:
         """What a report, log, JSON or plot may show: every field but the secret ones.
@@ -122,6 +131,8 @@ class PrivacyLedger(NamedTuple):
         are left out.
         """
         secret = _SECRET_WITH_RANDOM_STOP if self.schedule == "random_stop" else ()
+        if self.sampling == "sequential":  # the fixed order's ledger as before Poisson batches
+            secret = (*secret, *_POISSON_FIELDS)
         return {k: v for k, v in self._asdict().items() if k not in secret}
 
     def to_json(self) -> dict[str, Any]:
@@ -138,6 +149,8 @@ class PrivacyLedger(NamedTuple):
         composition, it is the one pass with every record used once.
         """
         hidden = self.analysis != _COMPOSITION
+        if self.sampling == "poisson":
+            return self._poisson_event((self.passes if passes is None else int(passes)) * self.steps_per_pass, hidden)
         if self.schedule == "random_stop":
             return self._event(1, self.records, hidden=hidden, schedule="random_stop" if hidden else "fixed")
         return self._event(self.passes if passes is None else int(passes), self.records, hidden=hidden)
@@ -149,13 +162,23 @@ class PrivacyLedger(NamedTuple):
                      strong_convexity=self.strong_convexity if amplified else 0.0, batch_size=int(self.batch_size),
                      passes=int(passes), schedule=schedule, hidden=hidden)
 
+    def _poisson_event(self, num_steps: int, hidden: bool) -> PNSGD:
+        """``PNSGD(..., sampling="poisson")`` of ``num_steps`` sampled steps (composition when not ``hidden``)."""
+        amplified = hidden and self.smoothness is not None
+        return PNSGD(self.lipschitz, self.smoothness if amplified else 0.0, self.learning_rate, self.noise_std,
+                     self.diameter, num_records=int(self.records), batch_size=int(self.batch_size),
+                     hidden=amplified, relation="add_remove", sampling="poisson", q=float(self.q),
+                     num_steps=max(1, int(num_steps)), max_batch_size=self.max_batch_size)
+
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> PrivacyLedger:
-        """The ledger from a dict of every field (as a checkpoint stores it, ``ledger._asdict()``)."""
-        return cls(**{k: data[k] for k in cls._fields})
+        """The ledger from a dict of every field (as a checkpoint stores it, ``ledger._asdict()``; a ledger
+        written before Poisson batches has the fixed order's defaults)."""
+        return cls(**{k: data[k] for k in cls._fields if k in data or k not in _POISSON_FIELDS})
 
 
 _SECRET_WITH_RANDOM_STOP = ("total_steps", "steps_done", "clipped", "max_grad_norm")
+_POISSON_FIELDS = ("sampling", "q", "max_batch_size")
 
 
 def demote(ledger: PrivacyLedger, reason: str) -> PrivacyLedger:
@@ -242,6 +265,15 @@ def privacy_report(ledger: PrivacyLedger | DPSGDLedger | DPSBCDLedger, accountan
     return _report(ledger)._replace(not_private=bool(ledger.fixed_noise_seed))
 
 
+def worst_epsilon(ledger: PrivacyLedger) -> float:
+    """The worst-record ε :func:`privacy_report` gives (the same numbers, without the Poisson report's note)."""
+    if ledger.sampling == "poisson":
+        positions = np.arange(1, ledger.records + 1)
+        return _poisson_report(ledger, positions, int(ledger.steps_done), ledger.analysis != _COMPOSITION,
+                               note=False).summary()["worst"]
+    return privacy_report(ledger).summary()["worst"]
+
+
 def _report(ledger: PrivacyLedger) -> PrivacyReport:
     """The report as accounting calls on the event that describes the steps done (see :func:`privacy_report`)."""
     n, b, m = ledger.records, ledger.batch_size, ledger.steps_per_pass
@@ -249,6 +281,8 @@ def _report(ledger: PrivacyLedger) -> PrivacyReport:
     s = int(ledger.steps_done)
     amplified_ok = ledger.analysis != _COMPOSITION
     exact = True
+    if ledger.sampling == "poisson":
+        return _poisson_report(ledger, positions, s, amplified_ok)
     if ledger.schedule == "random_stop":
         # The released iterate's guarantee: it does not depend on the drawn (secret) stopping time.
         out = pnsgd_privacy(ledger.event(), ledger.delta)
@@ -290,3 +324,52 @@ def _report(ledger: PrivacyLedger) -> PrivacyReport:
     reason = ledger.reason if exact else "mid-pass after the first pass; " + ledger.reason
     return PrivacyReport(analysis, reason, ledger.delta, s, positions, eps, comp, amp if exact else None, by,
                          ledger.unused, exact)
+
+
+# Where the Poisson report looks for the plateau of the hidden-state bound (any T beyond the burn-in).
+_PLATEAU_STEPS = 10**9
+
+
+def _poisson_report(ledger: PrivacyLedger, positions, s: int, amplified_ok: bool, note: bool = True) -> PrivacyReport:
+    """Poisson batches: every record alike, the hidden-state bound after ``s`` steps (and where it stops growing)."""
+    n = positions.size
+    names = ("iteration", "composition", "best") if amplified_ok else ("composition",)
+    if s == 0:
+        by = {k: np.zeros(n) for k in names}
+        note = False
+    else:
+        out = pnsgd_privacy(ledger._poisson_event(s, amplified_ok), ledger.delta)
+        by = {k: np.asarray(getattr(out, k), np.float64) for k in names}
+        note = _poisson_note(ledger) if (amplified_ok and note) else None
+    eps = by["best"] if amplified_ok else by["composition"]
+    return PrivacyReport(ledger.analysis, ledger.reason, ledger.delta, s, positions, eps, by["composition"],
+                         by.get("best"), by, 0, True, note=note or None)
+
+
+def _poisson_note(ledger: PrivacyLedger) -> str:
+    """:func:`_plateau_note` of the ledger's constants (it does not depend on the steps done)."""
+    return _plateau_note(ledger._replace(steps_done=0, total_steps=0, clipped=0, max_grad_norm=0.0, reason="",
+                                         analysis=_HIDDEN, order_seed=0, fixed_noise_seed=False))
+
+
+@functools.lru_cache(maxsize=32)
+def _plateau_note(ledger: PrivacyLedger) -> str:
+    """The line the report leads with: the hidden-state guarantee, its assumptions, and where it stops growing.
+
+    For each order α the bound is min(T·S_α, f_α(τ_α)) once T > τ_α (the best shift start, returned
+    by :func:`~jaxdp.accounting.poisson_pnsgd_rdp`): at most its value at a large T. So from
+    T₀ = 1 + max τ_α (over the orders whose shifted bound is the smaller there) to that T, ε is
+    at most the plateau ε.
+    """
+    ev = ledger._poisson_event(_PLATEAU_STEPS, True)
+    rdp, tau = poisson_pnsgd_rdp(DEFAULT_ORDERS, ev.q, ev.lipschitz, ev.smoothness, ev.learning_rate, ev.noise_std,
+                                 ev.diameter, float(ev.batch_size), _PLATEAU_STEPS, num_records=ev.num_records,
+                                 max_batch_size=ev.max_batch_size, return_burn_in=True)
+    plateau = float(rdp_to_epsilon(rdp, DEFAULT_ORDERS, ledger.delta).epsilon)
+    tau = np.asarray(tau, np.float64)
+    shifted = tau[tau < _PLATEAU_STEPS]
+    flat = (f"epsilon <= {plateau:.4g} for any number of steps from {int(shifted.max()) + 1:,} to {_PLATEAU_STEPS:.0e} "
+            "(flat after the burn-in)" if shifted.size else "no plateau below 1e9 steps (composition binds)")
+    return (f"hidden state, Poisson batches: epsilon of the final iterate only, assuming every record's loss convex, "
+            f"L={ledger.lipschitz:g}-Lipschitz and beta={ledger.smoothness:g}-smooth on the ball of diameter "
+            f"D={ledger.diameter:g}, a data-independent start and a secret Poisson sample; {flat}")

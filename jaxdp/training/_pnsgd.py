@@ -45,15 +45,17 @@ from ._config import (
     frozen_config,
     replace,
 )
-from ._ledger import PrivacyLedger, _clipping_reason, demote, privacy_report
+from ._ledger import PrivacyLedger, _clipping_reason, demote, worst_epsilon
 from ._parallel import parallel_clipped_grad_sum, replicate
 from ._plan import _is_schedule, _plan_privacy, rate_config
+from ._pnsgd_poisson import bind_sampler, check_contraction, plan_poisson, poisson_steps
 from ._run import FORMAT, Run, _plan, _segments, certify_noise, param_dtype
 from ._transforms import pnsgd, pnsgd_noise_std, project_onto_l2_ball
 
 __all__ = ["PNSGDMechanism", "PNSGDState"]
 
 _SCHEDULES = ("fixed", "random_stop")
+_SAMPLINGS = ("sequential", "poisson")
 
 
 @frozen_config
@@ -100,6 +102,20 @@ class PNSGDMechanism:
         otherwise they form a smaller last batch.
       return_intermediates: also return every iterate (the report becomes composition).
       use_fast_path: passed to :func:`~jaxdp.training.clipped_grad_sum`.
+      sampling: ``"sequential"`` (default: the consecutive batches above) or ``"poisson"``:
+        every step samples each record independently with probability :math:`q = b/N`
+        (secret), cut to a uniformly random ``max_batch_size`` :math:`B` records when more
+        are drawn, and divides the clipped sum by the fixed :math:`b`, for
+        ``passes``·:math:`\lceil N/b\rceil` steps. A convex model then gets the hidden-state
+        bound of :func:`~jaxdp.accounting.poisson_pnsgd_rdp` (add/remove neighbours, every
+        record alike, flat in the steps after a burn-in; the event
+        ``PNSGD(..., sampling="poisson")``), which needs :math:`\eta\beta B/b \le 2`
+        (checked here when ``smoothness`` and ``max_batch_size`` are given, else when training
+        starts). Shuffled batches are refused: we know no sound hidden-state analysis of
+        batches reshuffled every pass (``docs/hidden_state_poisson.md``, section 8).
+      max_batch_size: :math:`B \ge 1` of ``sampling="poisson"``; ``None`` keeps every drawn
+        record (then :math:`B = N + 1`, the neighbour's size, which only a tiny
+        :math:`\eta\beta` allows).
 
     References:
       Feldman, Mironov, Talwar, Thakurta, "Privacy amplification by iteration", FOCS 2018
@@ -131,6 +147,8 @@ class PNSGDMechanism:
     drop_remainder: bool = True
     return_intermediates: bool = False
     use_fast_path: bool | None = None
+    sampling: str = "sequential"
+    max_batch_size: int | None = None
 
     def __post_init__(self):
         check_noise_or_target("PNSGDMechanism", "noise_multiplier", self.noise_multiplier, self.target_epsilon)
@@ -155,6 +173,27 @@ class PNSGDMechanism:
         check_flag("drop_remainder", self.drop_remainder)
         check_flag("return_intermediates", self.return_intermediates)
         check_flag("use_fast_path", self.use_fast_path, allow_none=True)
+        _check_sampling(self)
+
+
+def _check_sampling(mech: PNSGDMechanism) -> None:
+    """The batch scheme's fields (see :class:`PNSGDMechanism`), with the contraction ηβB/b ≤ 2 when β is given."""
+    if mech.sampling in ("shuffle", "shuffled"):
+        raise ValueError("sampling='shuffle' is not available for PNSGD: no sound hidden-state analysis of reshuffled "
+                         "batches is known (docs/hidden_state_poisson.md); use sampling='poisson', the fixed order "
+                         "(sampling='sequential'), or DPSGDMechanism(sampler=Shuffle()) for composition.")
+    _validate.check_static_choice("sampling", mech.sampling, _SAMPLINGS)
+    if mech.sampling != "poisson":
+        if mech.max_batch_size is not None:
+            raise ValueError(f"max_batch_size is a field of sampling='poisson' only; got sampling={mech.sampling!r}.")
+        return
+    if mech.schedule != "fixed":
+        raise ValueError("schedule='random_stop' is not available with sampling='poisson' (the Poisson analysis is "
+                         "for a public number of steps); use schedule='fixed'.")
+    if mech.max_batch_size is not None:
+        check_count("max_batch_size", mech.max_batch_size)
+        if mech.smoothness is not None and not _is_schedule(mech.learning_rate):
+            check_contraction(float(mech.learning_rate), float(mech.smoothness), mech.max_batch_size, mech.batch_size)
 
 
 class PNSGDState(NamedTuple):
@@ -169,6 +208,8 @@ class PNSGDState(NamedTuple):
       total_steps: steps the run does (``passes·m``, or the **secret** stopping time).
       max_grad_norm: largest unclipped per-example gradient norm seen, float32.
       clipped: number of per-example gradients with norm above :math:`C`, ``int32``.
+      sample_key: ``sampling="poisson"``: the secret key of the batches (split every step);
+        ``None`` for the fixed order. With Poisson batches ``order`` is the identity (no order is used).
     """
 
     params: Any
@@ -178,6 +219,7 @@ class PNSGDState(NamedTuple):
     total_steps: jax.Array
     max_grad_norm: jax.Array
     clipped: jax.Array
+    sample_key: Any = None
 
 
 def _make_step(graphdef, rest, loss_fn, tx, clip_norm, use_fast_path=None, mesh=None):
@@ -213,7 +255,7 @@ def _noise_for_target(mech: PNSGDMechanism, ledger: PrivacyLedger, planned_steps
     def worst(nu):
         led = ledger._replace(noise_multiplier=float(nu), noise_std=float(pnsgd_noise_std(nu, c, b)),
                               steps_done=planned_steps)
-        return privacy_report(led).summary()["worst"]
+        return worst_epsilon(led)
 
     start = 1.0
     if ledger.schedule == "fixed":
@@ -226,12 +268,20 @@ def _noise_for_target(mech: PNSGDMechanism, ledger: PrivacyLedger, planned_steps
 def setup(mech: PNSGDMechanism, model, x, y, x_bound, *, delta, order_seed, secret, fixed_seed, mesh,
           options) -> Run:
     """PNSGD on ``model`` and ``(x, y)``: plan, ledger, initial state and the compiled segments."""
+    poisson = mech.sampling == "poisson"
+    drop = mech.drop_remainder and not poisson  # Poisson batches use every record
     pp = _plan_privacy(model, x, x_bound, learning_rate=mech.learning_rate, radius=mech.radius,
                        batch_size=mech.batch_size, passes=mech.passes, schedule=mech.schedule,
-                       drop_remainder=mech.drop_remainder, loss_fn=mech.loss_fn, clip_norm=mech.clip_norm,
+                       drop_remainder=drop, loss_fn=mech.loss_fn, clip_norm=mech.clip_norm,
                        lipschitz=mech.lipschitz, smoothness=mech.smoothness, strong_convexity=mech.strong_convexity,
                        convex=mech.convex, return_intermediates=mech.return_intermediates)
-    plan = _plan(x.shape[0], mech.batch_size, mech.drop_remainder)
+    plan = _plan(x.shape[0], mech.batch_size, drop)
+    reason, extra = pp.reason, {}
+    if poisson:
+        sampler = bind_sampler(int(x.shape[0]), mech.batch_size, mech.max_batch_size)
+        eta_max = float(pp.learning_rate if pp.learning_rates is None else pp.learning_rates.max())
+        reason, extra = plan_poisson(pp, sampler, mech.batch_size, eta_max)
+        plan = plan._replace(steps_per_pass=sampler.steps_per_pass)
     batch_size, passes, schedule, radius = mech.batch_size, mech.passes, mech.schedule, float(mech.radius)
     steps_per_call = plan.full_batches if options.steps_per_call is None else options.steps_per_call
     if mech.return_intermediates:
@@ -245,14 +295,14 @@ def setup(mech: PNSGDMechanism, model, x, y, x_bound, *, delta, order_seed, secr
         raise ValueError(f"radius must be below {top:.3g} for {pdtype} parameters (its square must be finite); "
                          f"got {radius:g}.")
     ledger = PrivacyLedger(
-        analysis=pp.analysis, reason=pp.reason, convex=pp.convex, lipschitz=float(pp.lipschitz),
+        analysis=pp.analysis, reason=reason, convex=pp.convex, lipschitz=float(pp.lipschitz),
         smoothness=pp.smoothness, strong_convexity=float(pp.strong_convexity), learning_rate=float(pp.learning_rate),
         noise_multiplier=float("nan"), noise_std=float("nan"), clip_norm=pp.clip_norm,
         lipschitz_bound=pp.lipschitz_bound, diameter=2.0 * radius, records=plan.records,
         unused=plan.n_total - plan.records, batch_size=batch_size, passes=passes,
         steps_per_pass=plan.steps_per_pass, schedule=schedule, order_seed=int(order_seed),
         fixed_noise_seed=fixed_seed, total_steps=0, steps_done=0, delta=float(delta), clipped=0,
-        max_grad_norm=0.0, intermediates_released=bool(mech.return_intermediates))
+        max_grad_norm=0.0, intermediates_released=bool(mech.return_intermediates), **extra)
     nu = mech.noise_multiplier
     if nu is None:
         nu = _noise_for_target(mech, ledger, passes * plan.steps_per_pass)
@@ -268,29 +318,38 @@ def setup(mech: PNSGDMechanism, model, x, y, x_bound, *, delta, order_seed, secr
         "order_seed": int(order_seed), "clip_norm": pp.clip_norm, "lipschitz": pp.lipschitz_bound,
         "smoothness": pp.smoothness, "strong_convexity": float(pp.strong_convexity), "convex": pp.convex,
         "drop_remainder": bool(mech.drop_remainder), "steps_per_call": steps_per_call,
-        "return_intermediates": bool(mech.return_intermediates),
+        "return_intermediates": bool(mech.return_intermediates), **extra,
     }
 
     # ---------------- initial state ----------------
     order = jax.random.permutation(jax.random.key(int(order_seed)), plan.n_total).astype(jnp.int32)
-    k_noise, k_stop = jax.random.split(secret)
+    if poisson:  # no order: every record is sampled alike
+        order = jnp.arange(plan.n_total, dtype=jnp.int32)
+    k_noise, k_stop = jax.random.split(secret)  # Poisson batches: k_stop is the sampling key
     if schedule == "random_stop":
         total = int(jax.random.randint(k_stop, (), 1, plan.steps_per_pass + 1))
     else:
         total = passes * plan.steps_per_pass
     lr = mech.learning_rate
-    tx = pnsgd(lr if _is_schedule(lr) else float(lr), nu, pp.clip_norm, radius, k_noise, batch_size=batch_size)
-    params0 = project_onto_l2_ball(params0, radius)  # a start inside K
-    ledger = ledger._replace(total_steps=total)
-    state = PNSGDState(params=params0, opt_state=tx.init(params0), step=jnp.zeros((), jnp.int32), order=order,
-                       total_steps=jnp.asarray(total, jnp.int32), max_grad_norm=jnp.zeros((), jnp.float32),
-                       clipped=jnp.zeros((), jnp.int32))
-
-    # ---------------- compiled segments ----------------
+    lr = lr if _is_schedule(lr) else float(lr)
     graphdef, _, rest = nnx.split(model, nnx.Param, ...)
     X, Y, b = jnp.asarray(x, dtype=pdtype), jnp.asarray(y), batch_size
     if mesh is not None:  # data parallel: all replicated; the step splits each batch's rows
         (X, Y), rest = replicate((X, Y), mesh), replicate(rest, mesh)
+    if poisson:
+        tx, poisson_run, poisson_segments, poisson_report_at = poisson_steps(
+            sampler, graphdef, rest, pp.loss_fn, X, Y, learning_rate=lr, noise_multiplier=nu, clip_norm=pp.clip_norm,
+            radius=radius, key=k_noise, batch_size=batch_size, steps_per_call=steps_per_call,
+            use_fast_path=mech.use_fast_path, mesh=mesh, keep=bool(mech.return_intermediates))
+    else:
+        tx = pnsgd(lr, nu, pp.clip_norm, radius, k_noise, batch_size=batch_size)
+    params0 = project_onto_l2_ball(params0, radius)  # a start inside K
+    ledger = ledger._replace(total_steps=total)
+    state = PNSGDState(params=params0, opt_state=tx.init(params0), step=jnp.zeros((), jnp.int32), order=order,
+                       total_steps=jnp.asarray(total, jnp.int32), max_grad_norm=jnp.zeros((), jnp.float32),
+                       clipped=jnp.zeros((), jnp.int32), sample_key=sampler.init_key(k_stop) if poisson else None)
+
+    # ---------------- compiled segments ----------------
     one_step = _make_step(graphdef, rest, pp.loss_fn, tx, pp.clip_norm, mech.use_fast_path, mesh)
     keep = bool(mech.return_intermediates)
 
@@ -343,6 +402,8 @@ def setup(mech: PNSGDMechanism, model, x, y, x_bound, *, delta, order_seed, secr
     def released(st: PNSGDState):
         return nnx.merge(graphdef, st.params, rest)
 
+    if poisson:  # the sampled steps (the fixed-order ones above are never compiled)
+        run, segments, report_at = poisson_run, poisson_segments, poisson_report_at
     return Run(name="PNSGD", mechanism=mech, state=state, ledger=ledger, config=config,
                steps_per_pass=plan.steps_per_pass,
                public_total=plan.steps_per_pass if schedule == "random_stop" else total, segments=segments,

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jaxdp.accounting as A
-from tests.references import allocation_remove_moment, allocation_renyi_t2
+from tests.references import allocation_k_remove_moment, allocation_remove_moment, allocation_renyi_t2
 
 # Rounding of the float64 series powering: the remove direction is exact up to this.
 EXACT_RTOL = 1e-11
@@ -131,13 +131,47 @@ def _mc_delta_lower(sigma, t, passes, eps, n, rng, direction, confidence=0.99):
     return h.mean() - math.sqrt(2 * var * log_term / n) - 7 * log_term / (3 * (n - 1))
 
 
-def _check_mc(configs, n, seed):
+def _log_esym(y_log, k):
+    """log e_k(y) (the k-th elementary symmetric polynomial) of each row, from log y, in log space."""
+    n, t = y_log.shape
+    e = np.full((n, k + 1), -np.inf)
+    e[:, 0] = 0.0
+    for i in range(t):
+        e[:, 1:] = np.logaddexp(e[:, 1:], e[:, :-1] + y_log[:, i:i + 1])
+    return e[:, k]
+
+
+def _mc_delta_lower(sigma, t, passes, eps, n, rng, direction, confidence=0.99, k=1):
+    """A lower confidence bound on δ(ε) = E[(1 − e^{ε − L})_+] of the privacy-loss variable L.
+
+    L sums over passes the log density ratio of one epoch, drawn under P (remove: the
+    record in steps 1..k, WLOG by symmetry) or Q (add); for k of t steps the ratio is
+    e_k(y)/C(t, k) with y_i = exp((2x_i − 1)/(2σ²)), the pair itself (no reduction). Each
+    term is in [0, 1]; the bound is the empirical-Bernstein lower bound of Maurer & Pontil
+    (2009), Theorem 4.
+    """
+    loss = np.zeros(n)
+    log_binom = math.lgamma(t + 1) - math.lgamma(k + 1) - math.lgamma(t - k + 1)
+    for _ in range(passes):
+        x = sigma * rng.standard_normal((n, t))
+        if direction == "remove":
+            x[:, :k] += 1.0
+        y_log = (2 * x - 1) / (2 * sigma**2)
+        ll = (np.logaddexp.reduce(y_log, axis=1) if k == 1 else _log_esym(y_log, k)) - log_binom
+        loss += ll if direction == "remove" else -ll
+    h = -np.expm1(np.minimum(eps - loss, 0.0))  # (1 − e^{ε−L})_+
+    log_term = math.log(2.0 / (1.0 - confidence))
+    var = h.var(ddof=1)
+    return h.mean() - math.sqrt(2 * var * log_term / n) - 7 * log_term / (3 * (n - 1))
+
+
+def _check_mc(configs, n, seed, k=1):
     rng = np.random.default_rng(seed)
     for sigma, t, passes, delta in configs:
-        eps = float(A.epsilon(A.balls_in_bins_event(sigma, t, passes), delta))
+        eps = float(A.epsilon(A.random_allocation_event(sigma, t, k, passes), delta))
         for direction in ("remove", "add"):
-            lo = _mc_delta_lower(sigma, t, passes, eps, n, rng, direction)
-            assert lo <= delta, (sigma, t, passes, delta, eps, direction, lo)
+            lo = _mc_delta_lower(sigma, t, passes, eps, n, rng, direction, k=k)
+            assert lo <= delta, (sigma, t, k, passes, delta, eps, direction, lo)
 
 
 def test_epsilon_above_monte_carlo_lower_bound_fast():
@@ -152,6 +186,89 @@ def test_epsilon_above_monte_carlo_lower_bound_50_configs():
         configs.append((float(np.exp(rng.uniform(math.log(0.5), math.log(3.0)))), int(rng.integers(2, 65)),
                         int(rng.integers(1, 5)), float(rng.choice([0.2, 0.1, 0.05, 0.01]))))
     _check_mc(configs, n=100_000, seed=12)
+
+
+# =======================================================================================
+# k of t steps: the reduction to 1 of ⌊t/k⌋ and ⌈t/k⌉ (docs/batch_schemes.md, "k of t").
+# =======================================================================================
+
+
+ORDERS_K = np.array([1.5, 2.0, 3.0, 5.0, 12.0, 64.0])
+
+
+def test_k1_is_todays_balls_in_bins():
+    """k = 1 runs the k = 1 code: ε is that of balls-in-bins, bit for bit (shapes of test_jit_vmap_grad_agree)."""
+    sig = jnp.array([0.8, 1.0, 2.0])
+    t = jnp.array([10.0, 100.0, 1000.0])
+    np.testing.assert_array_equal(np.asarray(A.epsilon(A.random_allocation_event(sig, t, 1, 3), 1e-5)),
+                                  np.asarray(A.epsilon(A.balls_in_bins_event(sig, t, 3), 1e-5)))
+    assert A.RandomAllocation(10, A.Gaussian(1.0)).selected == 1
+
+
+@pytest.mark.slow
+def test_k_of_t_is_the_composition_of_its_blocks():
+    """t = km + r: per direction, k − r epochs of 1 of m plus r of 1 of m + 1; the larger direction."""
+    for t, k in ((101, 2), (10, 3), (12, 4)):
+        m, r = t // k, t % k
+        got = np.asarray(A.random_allocation_rdp(ORDERS_K, t, 0.9, selected=k))
+        dirs = []
+        for direction in ("remove", "add"):
+            c = np.asarray(A.random_allocation_rdp(ORDERS_K, np.array([m, m + 1.0]), 0.9, direction=direction))
+            dirs.append((k - r) * c[0] + r * c[1])
+        np.testing.assert_allclose(got, np.maximum(*dirs), rtol=1e-14, atol=0)
+
+
+@pytest.mark.parametrize("t, k, sigma", [(4, 2, 1.0), pytest.param(5, 2, 0.7, marks=pytest.mark.slow),
+                                         pytest.param(6, 3, 1.5, marks=pytest.mark.slow),
+                                         pytest.param(6, 2, 0.8, marks=pytest.mark.slow)])
+def test_k_of_t_remove_direction_above_the_exact_value(t, k, sigma):
+    """The remove direction of the k-of-t pair itself, by brute force in mpmath, never above the bound."""
+    alphas = [2, 3, 4, 5]
+    mine = np.asarray(A.random_allocation_rdp(np.array(alphas, dtype=float), t, sigma, selected=k, direction="remove"))
+    exact = np.array([allocation_k_remove_moment(t, k, sigma, a) / (a - 1) for a in alphas])
+    assert np.all(mine >= exact), (mine, exact)
+
+
+def test_k_of_t_epsilon_above_monte_carlo_lower_bound_fast():
+    _check_mc([(0.8, 6, 1, 0.1), (1.5, 12, 2, 0.02)], n=40_000, seed=5, k=2)
+    _check_mc([(1.0, 9, 1, 0.05)], n=40_000, seed=6, k=3)
+
+
+@pytest.mark.slow
+def test_k_of_t_epsilon_above_monte_carlo_lower_bound_30_configs():
+    rng = np.random.default_rng(21)
+    for i in range(30):
+        k = int(rng.integers(2, 5))
+        cfg = (float(np.exp(rng.uniform(math.log(0.5), math.log(3.0)))), int(rng.integers(k, 41)),
+               int(rng.integers(1, 4)), float(rng.choice([0.2, 0.1, 0.05, 0.01])))
+        _check_mc([cfg], n=100_000, seed=100 + i, k=k)
+
+
+def test_k_of_t_approaches_poisson_at_rate_k_over_t():
+    """k = 2 of t = 2000 steps against Poisson at q = k/t = 1e-3 (same σ, same steps): within 5 %."""
+    for sigma, passes in ((1.0, 10), (2.0, 25)):
+        alloc = float(A.epsilon(A.random_allocation_event(sigma, 2000, 2, passes), 1e-5))
+        poisson = float(A.dpsgd_epsilon(1e-3, sigma, 2000 * passes, 1e-5))
+        assert 0.5 * poisson <= alloc <= 1.05 * poisson, (sigma, alloc, poisson)
+
+
+@pytest.mark.slow
+def test_k_of_t_jit_vmap_grad_in_both_x64_modes():
+    """(x64 off: also the transformation matrix's random_allocation_event row.)"""
+    sig = jnp.array([0.9, 2.0])
+    eager = np.asarray([float(A.epsilon(A.random_allocation_event(float(s), 30, 3, 2), 1e-5)) for s in sig])
+    for x64 in (False, True):
+        with jax.enable_x64(x64):
+            f = jax.jit(lambda s: A.epsilon(A.random_allocation_event(s, 30, 3, 2), 1e-5))
+            v = jax.vmap(f)(sig)
+            assert v.dtype == jnp.float64
+            np.testing.assert_allclose(np.asarray(v), eager, rtol=1e-12)
+            g = float(jax.grad(f)(1.0))
+            if x64:
+                h = 1e-5
+                fd = (float(f(1.0 + h)) - float(f(1.0 - h))) / (2 * h)
+            assert g < 0
+    assert abs(g - fd) < 1e-4 * abs(fd)
 
 
 # =======================================================================================
@@ -194,4 +311,14 @@ def test_invalid_inputs():
     with pytest.raises(ValueError, match="add_remove"):
         A.epsilon(A.RandomAllocation(10, A.Gaussian(1.0, relation="replace_one")), 1e-5)
     bad = jax.jit(lambda n: A.random_allocation_rdp([2.0], n, 1.0))(2.5)
+    assert np.isnan(np.asarray(bad)).all()
+    with pytest.raises(ValueError, match="selected"):
+        A.random_allocation_event(1.0, 10, 11, 1)
+    with pytest.raises(ValueError, match="selected"):
+        A.random_allocation_event(1.0, 10, 0, 1)
+    with pytest.raises(ValueError, match="selected"):
+        A.random_allocation_rdp([2.0], 10, 1.0, selected=2.5)
+    with pytest.raises(ValueError, match="selected"):
+        A.epsilon(A.RandomAllocation(3, A.Gaussian(1.0), selected=4), 1e-5)
+    bad = jax.jit(lambda n: A.random_allocation_rdp([2.0], n, 1.0, selected=3))(2.0)  # t < k under jit
     assert np.isnan(np.asarray(bad)).all()

@@ -168,6 +168,7 @@ CASES.update({
     "shuffled_event": (lambda x: A.epsilon(A.shuffled_event(x, 3), 1e-5, orders=ORD), 1.3),
     "random_allocation_rdp": (lambda x: A.random_allocation_rdp(ORD, 50, x)[-1], 1.3),
     "balls_in_bins_event": (lambda x: A.epsilon(A.balls_in_bins_event(x, 50, 3), 1e-5, orders=ORD), 1.3),
+    "random_allocation_event": (lambda x: A.epsilon(A.random_allocation_event(x, 50, 2, 3), 1e-5, orders=ORD), 1.3),
     "shuffled_lower_epsilon": (lambda x: A.shuffled_lower_epsilon(x, 100, 1, 1e-5), 1.3),
     # dp_accounting parity events (x: p = x/4 of randomized response, ρ = x/8, the tree's σ;
     # powers of two: the user's own division runs in float32 with x64 off).

@@ -91,7 +91,9 @@ def main_reports():
 def test_cases_match_the_recorded_ledgers(main_reports):
     assert set(main_reports) == set(CASES)
     for name, kw in CASES.items():
-        assert _ledger(**kw)._asdict() == main_reports[name]["ledger"], name
+        # A ledger written before Poisson batches reads back with the fixed order's defaults.
+        assert PrivacyLedger.from_json(main_reports[name]["ledger"]) == _ledger(**kw), name
+        assert _ledger(**kw).sampling == "sequential" and "sampling" not in _ledger(**kw).public()
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
