@@ -1,7 +1,4 @@
-import atexit
 import os
-import shutil
-import tempfile
 
 import pytest
 from hypothesis import settings
@@ -25,17 +22,10 @@ os.environ.setdefault("JAXDP_CACHE_DIR", "off")
 # δ at Laplace(3.744)'s ε); events now register through jaxdp/_pytree.py. The persistent cache was
 # not needed for it; whether to share one again is a question of speed only.
 #
-# Session 12 shares one again, for speed (the suite was 15-16 min on CI's two cores), with
-# JAX's locked mode: a size cap turns on jax's LRU cache, whose reads and writes take one
-# file lock (jax/_src/lru_cache.py), so no process reads a half-written program (sessions
-# 6-7 wrote without the lock). The folder is fresh per run and removed at exit: no test
-# reads a previous run's programs. Workers and the example and command subprocesses inherit it.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    _xla_cache = tempfile.mkdtemp(prefix="jaxdp-tests-xla-")
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = _xla_cache
-    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 * 2**30))
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
-    atexit.register(shutil.rmtree, _xla_cache, ignore_errors=True)
+# Session 12 tried one again in JAX's locked mode (a size cap): the suite was no faster (16:04
+# on CI's 2 cores) and four program-cache tests failed with "JaxRuntimeError: NOT_FOUND:
+# Function multiply_divide_fusion.1 not found": jaxdp's own cache cannot serialise an
+# executable that JAX loaded from its persistent cache (an open bug, see the session-12 note).
 
 # Compile with XLA's backend optimisation off: the suite's time is mostly compilation of
 # small programs (measured: tests/accounting/test_events.py 88 s -> 69 s), and the tests

@@ -45,7 +45,7 @@ GLOSSARY = {
     # randomness: the public order and the secret noise key
     "key", "order_seed", "noise_seed", "seed", "checkpoint_key",
     # PLD accounting: static grid options
-    "grid_size", "tail_bound", "estimate", "fallback",
+    "grid_size", "tail_bound", "estimate", "fallback", "stages",
     # trade-off curves: false-positive rates and the ε grid of the PLD profile
     "fpr", "epsilons",
     # empirical auditing (jaxdp.audit)
