@@ -216,6 +216,45 @@ def _log_series_mul(la, lb):
     return jax.nn.logsumexp(la[None, :] + toeplitz, axis=-1)
 
 
+def _power_round(carry):
+    """One round of binary powering, least significant bit of t first: (acc, base, rem)."""
+    acc, base, rem = carry
+    bit = jnp.mod(rem, 2.0) == 1.0
+    acc = jnp.where(bit, _log_series_mul(acc, base), acc)
+    return acc, _log_series_mul(base, base), jnp.floor(rem / 2.0)
+
+
+def _series_power_fixed(lf, one, t):
+    """f^t in log space by 31 rounds of binary powering (t < 2^31); differentiable in reverse mode."""
+    return jax.lax.fori_loop(0, 31, lambda i, c: _power_round(c), (one, lf, t))[0]
+
+
+@jax.custom_jvp
+def _series_power(lf, one, t):
+    """f^t in log space: the rounds of :func:`_series_power_fixed` that change the result only.
+
+    Rounds stop when no bit of t is left and the base is squared only while a higher bit
+    remains (the skipped rounds would multiply by the series 1 and square a base no longer
+    used): the same operations on the same values, so the same bits. A while loop has no
+    reverse-mode derivative, so derivatives are those of the fixed 31 rounds.
+    """
+
+    def body(carry):
+        acc, base, rem = carry
+        bit = jnp.mod(rem, 2.0) == 1.0
+        acc = jnp.where(bit, _log_series_mul(acc, base), acc)
+        rem = jnp.floor(rem / 2.0)
+        base = jax.lax.cond(rem > 0.0, lambda b: _log_series_mul(b, b), lambda b: b, base)
+        return acc, base, rem
+
+    return jax.lax.while_loop(lambda carry: carry[2] > 0.0, body, (one, lf, t))[0]
+
+
+@_series_power.defjvp
+def _series_power_jvp(primals, tangents):
+    return jax.jvp(_series_power_fixed, primals, tangents)
+
+
 def _remove_log_moment(alphas: np.ndarray, t, sigma):
     r"""log E_Q[(P/Q)^α] at the integer ``alphas`` (≤ REMOVE_EXACT_MAX), scalar t, σ: ``(len(alphas),)``.
 
@@ -229,17 +268,8 @@ def _remove_log_moment(alphas: np.ndarray, t, sigma):
     k = np.arange(kmax + 1, dtype=np.float64)
     lf = k * (k - 1.0) * (0.5 / sigma**2) - gammaln(k + 1.0)
     one = jnp.where(k == 0, 0.0, -jnp.inf)  # the series 1
-    n_bits = 31  # t < 2^31
-    ti = t
 
-    def body(i, carry):
-        acc, base, rem = carry
-        bit = jnp.mod(rem, 2.0) == 1.0
-        acc = jnp.where(bit, _log_series_mul(acc, base), acc)
-        base = _log_series_mul(base, base)
-        return acc, base, jnp.floor(rem / 2.0)
-
-    acc, _, _ = jax.lax.fori_loop(0, n_bits, body, (one, lf, ti))
+    acc = _series_power(lf, one, t)
     a = f64(alphas)
     return gammaln(a + 1.0) + take(acc, np.asarray(alphas, dtype=np.int64), axis=0) - a * jnp.log(t)
 
@@ -306,7 +336,7 @@ def _add_log_moment(betas: np.ndarray, t, sigma):
     [U_1, ∞): e^{-w} ≤ (m/(e w))^m per factor with E Y^{-m} = e^{m(m+1)/(2σ²)}, p = mt,
     the best of a few p > β.
     """
-    b_ = f64(betas)[:, None, None]  # (k, 1, 1)
+    betas = np.asarray(betas, dtype=np.float64)
     log_nodes = np.linspace(_LOG_U0, _LOG_U1, _NC + 1)
     nodes = np.exp(log_nodes)
     big_l = nodes + t * _log_phi_upper(nodes / t, sigma)  # upper bounds on L at the nodes
@@ -319,15 +349,26 @@ def _add_log_moment(betas: np.ndarray, t, sigma):
     ea, eb = np.exp(log_edges[:, :-1]), np.exp(log_edges[:, 1:])
     w = eb - ea
     mid = 0.5 * (ea + eb)
-    # β ≥ 1: the exponent is concave; its tangent at the midpoint bounds it.
-    d = (b_ - 1.0) / mid - lam
-    tangent = (b_ - 1.0) * np.log(mid) - lam * mid + kappa + np.log(w) + _lsinhc(0.5 * d * w)
-    # β < 1: convex; its chord bounds it.
-    log_ga = (b_ - 1.0) * np.log(ea) - lam * ea + kappa
-    log_gb = (b_ - 1.0) * np.log(eb) - lam * eb + kappa
-    delta = log_ga - log_gb
-    chord = np.log(w) + log_ga - 0.5 * delta + _lsinhc(0.5 * delta)
-    cells = jnp.where(b_ >= 1.0, tangent, chord).reshape(len(betas), -1)
+    # The orders are static: each is bounded by the one rule that applies to it (tangent or
+    # chord), the other is not computed.
+    concave = betas >= 1.0
+    rows = []
+    if np.any(~concave):
+        # β < 1: the exponent is convex; its chord bounds it.
+        b_ = f64(betas[~concave])[:, None, None]
+        log_ga = (b_ - 1.0) * np.log(ea) - lam * ea + kappa
+        log_gb = (b_ - 1.0) * np.log(eb) - lam * eb + kappa
+        delta = log_ga - log_gb
+        rows.append((np.log(w) + log_ga - 0.5 * delta + _lsinhc(0.5 * delta)).reshape(b_.shape[0], -1))
+    if np.any(concave):
+        # β ≥ 1: the exponent is concave; its tangent at the midpoint bounds it.
+        b_ = f64(betas[concave])[:, None, None]
+        d = (b_ - 1.0) / mid - lam
+        tangent = (b_ - 1.0) * np.log(mid) - lam * mid + kappa + np.log(w) + _lsinhc(0.5 * d * w)
+        rows.append(tangent.reshape(b_.shape[0], -1))
+    order = np.argsort(np.concatenate([np.flatnonzero(~concave), np.flatnonzero(concave)]), kind="stable")
+    cells = jnp.concatenate(rows, axis=0)
+    cells = cells if np.array_equal(order, np.arange(len(betas))) else take(cells, order, axis=0)
     bv = f64(betas)
     head = bv * _LOG_U0 - jnp.log(bv)  # ∫_0^{U_0} u^{β−1} du (φ ≤ 1)
     tails = []
