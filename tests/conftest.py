@@ -35,6 +35,10 @@ os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 # Tests run only with JAXDP_SLOW=1 because a faster test covers what they check (the
 # reason follows each). Listed here, by node id prefix, to keep CI's run under 10 minutes.
 SLOW_IN_CI = {
+    # Session 13: the k-of-t run (~65 CPU-s under load: calibration, crash, resume, whole run);
+    # the sampler's own test checks the allocation and the event, the balls-in-bins run the trainer.
+    "tests/training/test_samplers.py::test_run_reaches_target_reports_its_scheme_and_resumes_bit_identically"
+    "[random-allocation-2]",
     # Session 12. The x64-off cells of the transformation matrix cover these (the random
     # allocation and Poisson PNSGD rows); the event's row is built from random_allocation_rdp's.
     "tests/accounting/test_allocation.py::test_float64_with_x64_off",

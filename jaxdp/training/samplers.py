@@ -13,8 +13,9 @@ the amplification); they come from the run's secret key.
   were drawn; add/remove-one; ``TruncatedPoissonSampled``.
 * :class:`FixedSize`: ``batch_size`` uniform records without (or with) replacement;
   replace-one; ``SampledWithoutReplacement`` (``SampledWithReplacement``).
-* :class:`BallsInBins`: each pass (epoch), each record in one uniformly random of the
-  ``steps_per_pass`` batches; add/remove-one; ``balls_in_bins_event`` (random allocation).
+* :class:`BallsInBins`: each pass (epoch), each record in one (or ``selected`` = k)
+  uniformly random of the ``steps_per_pass`` batches; add/remove-one;
+  ``random_allocation_event`` (k = 1: ``balls_in_bins_event``).
 * :class:`Shuffle`: each pass, a uniform permutation cut into batches of ``batch_size`` (the
   last one smaller); replace-one; ``shuffled_event`` (no amplification).
 
@@ -41,6 +42,7 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, ClassVar
 
@@ -55,6 +57,7 @@ from ..accounting import (
     TruncatedPoissonSampled,
     balls_in_bins_event,
     dpsgd_event,
+    random_allocation_event,
     shuffled_event,
 )
 from ._config import check_count, check_flag
@@ -345,59 +348,107 @@ def _epoch_key(key, step, steps_per_pass):
     return jax.random.fold_in(key, epoch), jnp.asarray(step, jnp.int32) % steps_per_pass
 
 
+def _uniform_subsets(key, n: int, t: int, k: int) -> jax.Array:
+    """``(n, k)`` int32: per row a uniformly random k-subset of {0, …, t − 1}, independently (Floyd's algorithm).
+
+    For j = t − k, …, t − 1: draw r uniform in {0, …, j}; take r, or j if r was taken
+    already. Each k-subset comes out with probability 1/C(t, k) (Bentley & Floyd, "A
+    sample of brilliance", CACM 1987).
+    """
+    cols = []
+    for i, kk in enumerate(jax.random.split(key, k)):
+        j = t - k + i
+        r = jax.random.randint(kk, (n,), 0, j + 1, dtype=jnp.int32)
+        taken = functools.reduce(jnp.logical_or, [c == r for c in cols], jnp.zeros((n,), bool))
+        cols.append(jnp.where(taken, jnp.int32(j), r))
+    return jnp.stack(cols, axis=1)
+
+
 @dataclasses.dataclass(frozen=True)
 class BallsInBins(Sampler):
-    r"""Each epoch, every record goes to one uniformly random of ``steps_per_pass`` batches, independently.
+    r"""Each epoch, every record goes to ``selected`` = k uniformly random of ``steps_per_pass`` = t batches.
 
-    Batches have Binomial(N, 1/t) sizes (padded, overflow in a second chunk, nothing
-    dropped); the assignment of an epoch comes from the sampling key folded with the epoch
-    (the state's key never changes: resume is exact). Event:
-    :func:`~jaxdp.accounting.balls_in_bins_event` over the epochs started (add/remove-one
-    neighbours; a record's bin does not depend on the other records, so adding one moves
-    nobody): random allocation of each record to one of t steps, certified in both
-    directions by :func:`~jaxdp.accounting.random_allocation_rdp` (Feldman & Shenfeld 2025;
-    Chua et al., AISTATS 2025). A started epoch counts whole: its first steps are a
-    post-processing of the whole epoch's release.
+    Random allocation: per epoch each record takes part in a uniformly random k-subset of
+    the t steps, independently across records and epochs (k = 1, the default: one batch
+    per epoch, balls-in-bins). Batches have Binomial(N, k/t) sizes (padded, overflow in a
+    second chunk, nothing dropped); the allocation of an epoch comes from the sampling key
+    folded with the epoch (the state's key never changes: resume is exact). Event:
+    :func:`~jaxdp.accounting.random_allocation_event` ``(ν, t, k, epochs)`` over the
+    epochs started (k = 1: :func:`~jaxdp.accounting.balls_in_bins_event`; add/remove-one
+    neighbours: a record's steps do not depend on the other records, so adding one moves
+    nobody), certified in both directions by :func:`~jaxdp.accounting.random_allocation_rdp`
+    (Feldman & Shenfeld 2025; Chua et al., AISTATS 2025). A started epoch counts whole: its
+    first steps are a post-processing of the whole epoch's release.
 
     Attributes:
-      steps_per_pass: t ≥ 1; ``None``: ⌈N/b⌉.
+      steps_per_pass: t ≥ k; ``None``: ⌈kN/b⌉ (a mean batch of at most b).
+      selected: k ≥ 1, the steps each record takes part in per epoch (default 1).
     """
 
     name: ClassVar[str] = "balls-in-bins"
     relation: ClassVar[str] = "add_remove"
     steps_per_pass: int | None = None
+    selected: int = 1
 
     def __post_init__(self):
+        check_count("selected", self.selected)
         if self.steps_per_pass is not None:
             check_count("steps_per_pass", self.steps_per_pass)
+            self._check_selected(self.steps_per_pass)
+
+    def _check_selected(self, t):
+        if self.selected > t:
+            raise ValueError(f"selected must be <= steps_per_pass ({t}); got {self.selected}.")
 
     def _bind(self, n, batch_size):
-        t = int(_need("steps_per_pass", self.steps_per_pass, batch_size, lambda b: math.ceil(n / b)))
+        k = int(self.selected)
+        t = int(_need("steps_per_pass", self.steps_per_pass, batch_size, lambda b: math.ceil(k * n / b)))
+        self._check_selected(t)
         return dataclasses.replace(self, steps_per_pass=t, num_records=n)
 
     @property
     def capacity(self):
         self._need_bound()
-        return batch_capacity(self.num_records, 1.0 / self.steps_per_pass, overflow=OVERFLOW)
+        return batch_capacity(self.num_records, self.selected / self.steps_per_pass, overflow=OVERFLOW)
 
     @property
     def expected_batch_size(self):
-        return self.num_records / self.steps_per_pass
+        if self.selected == 1:
+            return self.num_records / self.steps_per_pass
+        return self.num_records * self.selected / self.steps_per_pass
 
     def sample(self, key, step):
         ek, j = _epoch_key(key, step, self.steps_per_pass)
-        bins = jax.random.randint(ek, (self.num_records,), 0, self.steps_per_pass, dtype=jnp.int32)
-        indices, size = _compact(bins == j)
+        if self.selected == 1:
+            bins = jax.random.randint(ek, (self.num_records,), 0, self.steps_per_pass, dtype=jnp.int32)
+            indices, size = _compact(bins == j)
+        else:
+            steps = _uniform_subsets(ek, self.num_records, int(self.steps_per_pass), int(self.selected))
+            indices, size = _compact(jnp.any(steps == j, axis=1))
         return key, indices, size
 
     def event(self, noise_multiplier, num_steps, dataset_size=None):
         epochs = -(-int(num_steps) // int(self.steps_per_pass))
-        return balls_in_bins_event(noise_multiplier, int(self.steps_per_pass), epochs)
+        if self.selected == 1:
+            return balls_in_bins_event(noise_multiplier, int(self.steps_per_pass), epochs)
+        return random_allocation_event(noise_multiplier, int(self.steps_per_pass), int(self.selected), epochs)
+
+    def spec(self):
+        # k = 1 writes the spec it wrote before k existed (ledgers and checkpoints unchanged).
+        out = super().spec()
+        if out["selected"] == 1:
+            del out["selected"]
+        return out
 
     def describe(self):
-        return (f"balls-in-bins batches, {self.steps_per_pass} per epoch of {self.num_records} records, "
-                "add/remove neighbours: each record in one uniformly random step per epoch (random "
-                "allocation, both directions certified)")
+        if self.selected == 1:
+            return (f"balls-in-bins batches, {self.steps_per_pass} per epoch of {self.num_records} records, "
+                    "add/remove neighbours: each record in one uniformly random step per epoch (random "
+                    "allocation, both directions certified)")
+        return (f"random allocation, {self.steps_per_pass} batches per epoch of {self.num_records} records, "
+                f"add/remove neighbours: each record in {self.selected} uniformly random steps per epoch (both "
+                f"directions certified through {self.selected} epochs of 1 of about "
+                f"{self.steps_per_pass // self.selected} steps)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -108,6 +108,44 @@ def test_every_record_exactly_once_per_epoch(name):
     assert not np.array_equal(epochs[0], epochs[1])  # a fresh assignment each epoch
 
 
+def test_k_of_t_each_record_in_exactly_k_steps_uniformly():
+    """Random allocation, 2 of 5 steps: every record in exactly 2 steps of each epoch, its pair uniform.
+
+    Chi-square of the 10 possible pairs over 30 records × 40 epochs (1,200 draws, 9
+    degrees of freedom): a false alarm at the 33.7 threshold has probability 1e-4. The
+    pairs of two records are independent: the 100 joint cells of records 0 and 1 (40
+    epochs are too few; pooled over the 15 disjoint record pairs: 600 draws, 99 degrees of
+    freedom, threshold 158, false alarm 1e-4).
+    """
+    from scipy.stats import chi2
+
+    s = S.BallsInBins(5, selected=2).bind(N)
+    assert (s.steps_per_pass, s.expected_batch_size, s.spec()["selected"]) == (5, 2 * N / 5, 2)
+    epochs = 40
+    idx, size = _draws(s, 5 * epochs)
+    counts = _counts(idx, size, N).reshape(epochs, 5, N)  # (epoch, step, record)
+    assert counts.max() <= 1 and np.all(counts.sum(axis=1) == 2)  # exactly 2 of the 5 steps, each once
+    code = {pair: i for i, pair in enumerate((a, b) for a in range(5) for b in range(a + 1, 5))}
+    steps = np.argsort(-counts, axis=1, kind="stable")[:, :2, :]  # (epoch, 2, record): the two steps
+    pair = np.vectorize(lambda a, b: code[(min(a, b), max(a, b))])(steps[:, 0, :], steps[:, 1, :])  # (epoch, record)
+    obs = np.bincount(pair.ravel(), minlength=10)
+    expect = pair.size / 10
+    assert np.sum((obs - expect) ** 2 / expect) < chi2.ppf(1 - 1e-4, 9), obs
+    joint = np.bincount((10 * pair[:, 0::2] + pair[:, 1::2]).ravel(), minlength=100)
+    expect = joint.sum() / 100
+    assert np.sum((joint - expect) ** 2 / expect) < chi2.ppf(1 - 1e-4, 99), joint
+    # The event is random allocation's, k = 1 is balls-in-bins, and the sizes follow k.
+    assert repr(s.event(1.3, 12)) == repr(A.random_allocation_event(1.3, 5, 2, 3))
+    assert repr(S.BallsInBins(5).bind(N).event(1.3, 12)) == repr(A.balls_in_bins_event(1.3, 5, 3))
+    assert "selected" not in S.BallsInBins(5).bind(N).spec()  # k = 1: the spec of before
+    assert S.from_spec(s.spec()) == s
+    assert S.BallsInBins(selected=3).bind(N, 10).steps_per_pass == 9  # ⌈kN/b⌉: a mean batch of at most b
+    with pytest.raises(ValueError, match="selected must be <= steps_per_pass"):
+        S.BallsInBins(2, selected=3)
+    with pytest.raises(ValueError, match="selected must be an integer >= 1"):
+        S.BallsInBins(4, selected=0)
+
+
 def test_samplers_validate_their_arguments():
     with pytest.raises(ValueError, match="q must be a number in"):
         S.Poisson(1.5)
@@ -190,6 +228,7 @@ RUN_SAMPLERS = {
     "truncated-poisson": S.TruncatedPoisson(140),
     "fixed-size": S.FixedSize(),
     "balls-in-bins": S.BallsInBins(),
+    "random-allocation-2": S.BallsInBins(selected=2),  # 2 of ⌈2N/b⌉ = 23 steps per epoch
     "shuffle": S.Shuffle(),
 }
 
@@ -252,8 +291,11 @@ def test_run_reaches_target_reports_its_scheme_and_resumes_bit_identically(name,
         assert eps == pytest.approx(float(A.epsilon(A.balls_in_bins_event(nu, bound.steps_per_pass, 2), 1e-5)),
                                     rel=1e-12)
         assert eps < float(A.epsilon(A.shuffled_event(nu, 2), 1e-5))
+    if name == "random-allocation-2":  # each record in 2 of the 23 steps of each of the 2 epochs
+        assert bound.steps_per_pass == 23 and led.sampler["selected"] == 2
+        assert eps == float(A.epsilon(A.random_allocation_event(nu, 23, 2, 2), 1e-5))
     if name != "poisson":
-        assert name in rep.analysis and led.sampler == bound.spec()
+        assert sampler.name in rep.analysis and led.sampler == bound.spec()
     assert (whole.test_accuracy or 0) > 0.1  # it trained
 
 
