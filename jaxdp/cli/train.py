@@ -58,6 +58,9 @@ def add_parser(sub) -> None:
                         "analysis). --batch-size sets the (expected) batch")
     p.add_argument("--max-batch-size", "--max-batch", type=int, default=None, metavar="B", dest="max_batch_size",
                    help="--sampler truncated-poisson: the cap on a batch (records beyond it are dropped)")
+    p.add_argument("--selected", type=int, default=None, metavar="K",
+                   help="--sampler balls-in-bins: each record in K uniformly random steps of each epoch (random "
+                        "allocation, K of ceil(K*N/b) steps; default 1)")
     p.add_argument("--model", choices=_MODELS, default="softmax",
                    help="softmax (default), logistic (odd vs even digit) or mlp (one hidden layer of 128)")
     p.add_argument("--passes", type=int, default=None,
@@ -262,6 +265,8 @@ def run(args) -> int:
     }
     if args.algorithm == "dpsgd":
         payload["sampler"] = args.sampler or "poisson"
+        if args.selected is not None:
+            payload["selected"] = args.selected
     if args.algorithm == "dpsgd" or rep.note:
         payload["note"] = rep.note
     if args.algorithm == "dpsgd":
@@ -325,11 +330,18 @@ def _sampler(args):
                      "truncated-poisson")
     if args.max_batch_size is not None and args.max_batch_size < 1:
         raise _Usage(f"--max-batch-size must be an integer >= 1; got {args.max_batch_size}")
+    if args.selected is not None and args.sampler != "balls-in-bins":
+        raise _Usage("--selected needs --sampler balls-in-bins")
+    if args.selected is not None and args.selected < 1:
+        raise _Usage(f"--selected must be an integer >= 1; got {args.selected}")
     if args.sampler in (None, "poisson") or args.algorithm != "dpsgd":
         return None
     from ..training import samplers
 
-    return samplers.by_name(args.sampler, **({"max_batch_size": args.max_batch_size} if args.max_batch_size else {}))
+    kwargs = {"max_batch_size": args.max_batch_size} if args.max_batch_size else {}
+    if args.selected is not None:
+        kwargs["selected"] = args.selected
+    return samplers.by_name(args.sampler, **kwargs)
 
 
 def _noise(args) -> dict:

@@ -307,6 +307,8 @@ def test_run_reaches_target_reports_its_scheme_and_resumes_bit_identically(name,
     (["--algorithm", "dpsgd", "--max-batch-size", "10"], "needs --max-batch-size"),
     (["--algorithm", "dpsgd", "--sampler", "truncated-poisson", "--max-batch", "0"], "--max-batch-size must be"),
     (["--algorithm", "dpsgd", "--sampler", "cyclic"], "invalid choice: 'cyclic'"),
+    (["--algorithm", "dpsgd", "--sampler", "shuffle", "--selected", "2"], "--selected needs --sampler balls-in-bins"),
+    (["--algorithm", "dpsgd", "--sampler", "balls-in-bins", "--selected", "0"], "--selected must be an integer >= 1"),
 ])
 def test_command_line_sampler_errors_are_one_line(argv, message, capsys):
     from jaxdp.cli.main import main
