@@ -80,6 +80,9 @@ _ABS = 1e-15
 _TABLE_MARGIN = 1e-11
 # Configurations evaluated together by lax.map (memory: ~15 MB each).
 _MAP_BATCH = 8
+# u-nodes whose φ bound is evaluated together (a (5, _NZ + 1) block per configuration stays
+# in cache: about 2x faster than all _NC + 1 nodes at once, the same values bit for bit).
+_PHI_CHUNK = 5
 
 
 # =======================================================================================
@@ -315,6 +318,13 @@ def _log_phi_upper(s, sigma):
     return jnp.minimum(jnp.minimum(log_r, log_d), 0.0)
 
 
+def _log_phi_upper_chunked(s, sigma):
+    """:func:`_log_phi_upper` at each ``s`` (1-D), :data:`_PHI_CHUNK` values at a time."""
+    pad = (-s.shape[0]) % _PHI_CHUNK
+    blocks = jnp.concatenate([s, jnp.ones((pad,))]).reshape(-1, _PHI_CHUNK)
+    return jax.lax.map(lambda b: _log_phi_upper(b, sigma), blocks).reshape(-1)[: s.shape[0]]
+
+
 def _lsinhc(x):
     """log(sinh(x)/x), even in x, stable at 0."""
     ax = jnp.abs(x)
@@ -339,7 +349,7 @@ def _add_log_moment(betas: np.ndarray, t, sigma):
     betas = np.asarray(betas, dtype=np.float64)
     log_nodes = np.linspace(_LOG_U0, _LOG_U1, _NC + 1)
     nodes = np.exp(log_nodes)
-    big_l = nodes + t * _log_phi_upper(nodes / t, sigma)  # upper bounds on L at the nodes
+    big_l = nodes + t * _log_phi_upper_chunked(nodes / t, sigma)  # upper bounds on L at the nodes
     slope = (big_l[1:] - big_l[:-1]) / np.diff(nodes)
     lam = (1.0 - slope)[:, None]  # (NC, 1)
     kappa = (big_l[:-1] - slope * nodes[:-1])[:, None]
