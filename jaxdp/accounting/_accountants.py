@@ -32,7 +32,7 @@ import numpy as np
 from .. import _validate
 from .._numerics import f64, float64
 from .._program_cache import persistent
-from . import _allocation, _parity, _pld, _pnsgd_poisson, _sampling
+from . import _allocation, _parity, _pld, _pnsgd_poisson, _pnsgd_shuffle, _sampling
 from ._contraction import pnsgd_contraction_delta, step_contraction, stop_pnsgd_contraction_delta
 from ._conversion import rdp_to_delta, rdp_to_epsilon
 from ._dpsbcd import dpsbcd_rdp
@@ -187,6 +187,8 @@ def _stop_rdp(ev: PNSGD, orders, batches):
 def _pnsgd_rdp(ev: PNSGD, orders: np.ndarray):
     if ev.sampling == "poisson":
         return _pnsgd_poisson.event_rdp(ev, orders)
+    if ev.sampling == "shuffle":
+        return jnp.where(_pnsgd_step_ok(ev)[..., None], _pnsgd_shuffle.event_rdp(ev, orders), jnp.nan)
     n = ev.num_records
     if ev.schedule == "random_stop":
         curve = _stop_rdp(ev, orders, 1)

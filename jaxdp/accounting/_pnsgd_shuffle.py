@@ -29,7 +29,7 @@ in batch j of the last pass:
 
 * one pass (k = 1), from the common start: :math:`Δ_j^2/(r+1)` (Theorem 23);
 * any k, r ≥ 1, coupling started after the record's step at distance D: :math:`d^2/r`;
-* k ≥ 2, coupling started at distance D at the last pass's start: :math:`(d+Δ_j)^2/m` when
+* any k, coupling started at distance D at the last pass's start: :math:`(d+Δ_j)^2/m` when
   :math:`(j-1)(d+Δ_j) ≤ dm`, and :math:`d^2/(j-1) + Δ_j^2/(r+1)` when j ≥ 2;
 * any k: :math:`kΔ_{\max}^2` (the record's k steps composed; :math:`Δ_{\max} = 2L/b_{\min}`).
 
@@ -77,11 +77,10 @@ def _energies(m, sizes, passes, lip, dia_over_eta):
         a = jnp.minimum(a, delta**2 / (later + 1.0))
     after = jnp.where(later >= 1, d**2 / jnp.maximum(later, 1.0), inf)
     a = jnp.minimum(a, after)
-    if passes >= 2:
-        straight_ok = (j - 1.0) * (d + delta) <= d * m
-        straight = jnp.where(straight_ok, (d + delta) ** 2 / m, inf)
-        kinked = jnp.where(j >= 2, d**2 / jnp.maximum(j - 1.0, 1.0) + delta**2 / (later + 1.0), inf)
-        a = jnp.minimum(a, jnp.minimum(straight, kinked))
+    straight_ok = (j - 1.0) * (d + delta) <= d * m
+    straight = jnp.where(straight_ok, (d + delta) ** 2 / m, inf)
+    kinked = jnp.where(j >= 2, d**2 / jnp.maximum(j - 1.0, 1.0) + delta**2 / (later + 1.0), inf)
+    a = jnp.minimum(a, jnp.minimum(straight, kinked))
     return a, delta
 
 

@@ -51,7 +51,6 @@ def _params(tree):
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(sampling="shuffle"), "no sound hidden-state analysis of reshuffled batches"),
     (dict(sampling="random"), "sampling must be one of"),
     (dict(sampling="sequential", max_batch_size=16), "max_batch_size is a field of sampling='poisson' only"),
     (dict(schedule="random_stop", passes=1), "not available with sampling='poisson'"),
