@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy.special import ndtr
+from scipy.special import logsumexp, ndtr
 
 import jaxdp
 
@@ -192,3 +192,83 @@ def test_monte_carlo_audit_linear_loss_slow():
         for k in (1, 3):
             lb, bound = _audit(params, k, 200_000, 1e-3, seed=k)
             assert 0.0 < lb <= bound, (params, k, lb, bound)
+
+
+# ---------------------------------------------------------------------------------------
+# Closed forms, flat in the passes, transformations, validation, the event.
+
+RUN = dict(lipschitz=1.0, smoothness=1.0, learning_rate=0.5, noise_std=1.0, diameter=1.0)
+GEOM = dict(num_records=1000, batch_size=10)
+
+
+def test_one_pass_is_the_log_mean_exp_of_the_fixed_order_bound_written_out():
+    # One pass, n = 12, b = 4, a huge diameter (no shift from a distance pays): the record in batch j of m = 3
+    # has Feldman et al.'s (α, 2αL²/(b²σ²(m−j+1)))-RDP; the mixture over j (w_j = 1/3) is their log-mean-exp.
+    L, sig, b, m = 1.5, 0.8, 4, 3
+    got = np.asarray(A.shuffle_pnsgd_rdp(ORD, L, 0.0, 1.0, sig, 1e9, num_records=12, batch_size=b))
+    a = np.asarray(ORD)
+    c = [2 * L**2 / (b**2 * sig**2 * (m - j + 1)) for j in (1, 2, 3)]
+    want = (logsumexp([(a - 1) * a * cj for cj in c], axis=0) - np.log(3)) / (a - 1)
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def test_without_amplification_it_is_the_composition_of_the_passes():
+    # One record per batch (b = 1): the last position has no later step, and with a huge diameter every pass
+    # after the first is composed; the bound never exceeds k passes of the mixture of Gaussian steps.
+    k, L, sig = 3, 1.0, 2.0
+    got = np.asarray(A.shuffle_pnsgd_rdp(ORD, L, 0.0, 1.0, sig, 1e9, num_records=1, batch_size=1, passes=k))
+    np.testing.assert_allclose(got, k * np.asarray(ORD) * 2 * L**2 / sig**2, rtol=1e-12)
+
+
+def test_flat_in_the_passes_and_below_composition_at_the_defaults():
+    eps = [float(A.shuffle_pnsgd_epsilon(1e-5, **RUN, **GEOM, passes=k)) for k in (1, 2, 3, 10, 1000)]
+    assert all(b >= a for a, b in zip(eps, eps[1:])), eps
+    assert eps[2] == eps[3] == eps[4], eps  # flat from the third pass
+    ev = A.PNSGD(**RUN, **GEOM, passes=10, sampling="shuffle", hidden=False)
+    assert eps[3] < 0.5 * float(A.epsilon(ev, 1e-5))
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_jit_vmap_grad_in_both_x64_modes(x64):
+    def f(s):
+        return A.shuffle_pnsgd_epsilon(1e-5, 1.0, 1.0, 0.5, s, 1.0, num_records=100, batch_size=10, passes=2,
+                                       orders=ORD)
+
+    with jax.enable_x64(x64):
+        e = f(1.0)
+        assert e.dtype == jnp.float64 or not x64
+        np.testing.assert_allclose(jax.jit(f)(1.0), e, rtol=1e-12)
+        np.testing.assert_allclose(jax.vmap(f)(jnp.asarray([1.0, 2.0]))[0], e, rtol=1e-12)
+        g = float(jax.grad(f)(1.0))
+    with jax.enable_x64(True):
+        h = 1e-5
+        fd = (float(f(1.0 + h)) - float(f(1.0 - h))) / (2 * h)
+    assert g < 0
+    np.testing.assert_allclose(g, fd, rtol=1e-5)
+
+
+def test_bad_inputs_raise_eagerly_and_are_nan_under_jit():
+    with pytest.raises(ValueError, match="learning_rate must be at most 2/smoothness"):
+        A.shuffle_pnsgd_rdp(ORD, 1.0, 1.0, 2.5, 1.0, 1.0, num_records=10, batch_size=2)
+    with pytest.raises(ValueError, match="batch_size must be <= num_records"):
+        A.shuffle_pnsgd_rdp(ORD, 1.0, 1.0, 0.5, 1.0, 1.0, num_records=10, batch_size=20)
+    with pytest.raises(ValueError, match="passes"):
+        A.shuffle_pnsgd_rdp(ORD, 1.0, 1.0, 0.5, 1.0, 1.0, num_records=10, batch_size=2, passes=0)
+    with pytest.raises(ValueError, match="noise_std"):
+        A.shuffle_pnsgd_rdp(ORD, 1.0, 1.0, 0.5, -1.0, 1.0, num_records=10, batch_size=2)
+    f = jax.jit(lambda eta: A.shuffle_pnsgd_rdp(ORD, 1.0, 1.0, eta, 1.0, 1.0, num_records=10, batch_size=2))
+    assert np.all(np.isnan(f(2.5))) and np.all(np.isfinite(f(0.5)))
+
+
+def test_event_is_the_accountant_and_in_pnsgd_privacy_best_of():
+    ev = A.PNSGD(**RUN, **GEOM, passes=5, sampling="shuffle")
+    want = float(A.shuffle_pnsgd_epsilon(1e-5, **RUN, **GEOM, passes=5))
+    assert float(A.epsilon(ev, 1e-5)) == want
+    out = A.pnsgd_privacy(ev, 1e-5, positions=[1, 1000])
+    np.testing.assert_array_equal(out.best, [want, want])
+    assert np.all(out.composition > out.best) and np.all(np.isinf(out.shifted_gdp))
+    assert float(A.delta(ev, want)) <= 1e-5 * (1 + 1e-9)
+    with pytest.raises(ValueError, match="relation='replace_one'"):
+        A.PNSGD(**RUN, **GEOM, sampling="shuffle", relation="add_remove")
+    with pytest.raises(ValueError, match="field of Poisson sampling only"):
+        A.PNSGD(**RUN, **GEOM, sampling="shuffle", q=0.1)
