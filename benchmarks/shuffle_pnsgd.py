@@ -10,11 +10,9 @@ pnsgd_privacy's worst record) for comparison.
     PYTHONPATH=$PWD python benchmarks/shuffle_pnsgd.py [--out DIR]
 """
 
-import argparse
-import os
-import pathlib
-import platform
 import time
+
+from poisson_pnsgd import arguments, figure  # the same helpers (benchmarks/ is on the path when run as a script)
 
 import jaxdp
 
@@ -33,10 +31,7 @@ def _row(k):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    print(f"machine: {platform.machine()} {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f}")
+    args = arguments()
     t0 = time.perf_counter()
     rows = [(k, *_row(k)) for k in PASSES]
     print("| passes k | steps | hidden state, shuffled (shuffle_pnsgd_epsilon) | shuffled, every iterate released "
@@ -46,27 +41,10 @@ def main():
         print(f"| {k:,} | {100 * k:,} | {h:.4f} | {c:.4f} | {h / c:.3f} | {f:.4f} |")
     print(f"{time.perf_counter() - t0:.1f} s")
     if args.out:
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print("matplotlib not installed: no figure")
-            return
-        out = pathlib.Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        ks = [r[0] for r in rows]
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.loglog(ks, [r[2] for r in rows], "o-", label="shuffled, every iterate released")
-        ax.loglog(ks, [r[1] for r in rows], "o-", label="hidden state, shuffled (shuffle_pnsgd_epsilon)")
-        ax.loglog(ks, [r[3] for r in rows], "o--", label="fixed public order (best-of)")
-        ax.set_xlabel("passes k (100 steps each)")
-        ax.set_ylabel("epsilon at delta = 1e-5")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "shuffle_pnsgd.png", dpi=120)
-        print(f"wrote {out / 'shuffle_pnsgd.png'}")
+        figure(args.out, "shuffle_pnsgd.png", [r[0] for r in rows],
+               {"shuffled, every iterate released": ([r[2] for r in rows], "o-"),
+                "hidden state, shuffled (shuffle_pnsgd_epsilon)": ([r[1] for r in rows], "o-"),
+                "fixed public order (best-of)": ([r[3] for r in rows], "o--")}, "passes k (100 steps each)")
 
 
 if __name__ == "__main__":

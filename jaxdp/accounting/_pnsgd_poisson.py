@@ -294,8 +294,8 @@ def calibrate_event(epsilon, delta, ev, orders_np, analysis: str):
     """
     if not all(_validate.is_concrete(x) for x in (epsilon, delta, ev.lipschitz, ev.smoothness, ev.learning_rate,
                                                    ev.diameter)):
-        raise ValueError(f"calibrate_pnsgd_noise_std with sampling={ev.sampling!r} runs eagerly: epsilon, delta and the "
-                         "event's leaves must be concrete (not traced by jit, vmap or grad).")
+        raise ValueError(f"calibrate_pnsgd_noise_std with sampling={ev.sampling!r} runs eagerly: epsilon, delta and "
+                         "the event's leaves must be concrete (not traced by jit, vmap or grad).")
     _validate.check_in_range("epsilon", epsilon, 0.0, math.inf, lo_open=True)
     _validate.check_delta(delta)
     for name in ("lipschitz", "smoothness", "learning_rate", "diameter"):

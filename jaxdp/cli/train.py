@@ -54,8 +54,9 @@ def add_parser(sub) -> None:
                         "neighbours), balls-in-bins or shuffle (no amplification certified: the report says so first). "
                         "--algorithm pnsgd (default: the fixed shuffled-once order): poisson or truncated-poisson, "
                         "secret Poisson batches with the hidden-state bound that stops growing after a burn-in "
-                        "(needs eta*beta*B/b <= 2, B the --max-batch-size), or shuffle, a fresh secret permutation every "
-                        "pass with the hidden-state bound that does not grow with the passes. --batch-size sets the (expected) batch")
+                        "(needs eta*beta*B/b <= 2, B the --max-batch-size), or shuffle, a fresh secret permutation "
+                        "every pass with the hidden-state bound that does not grow with the passes. --batch-size sets "
+                        "the (expected) batch")
     p.add_argument("--max-batch-size", "--max-batch", type=int, default=None, metavar="B", dest="max_batch_size",
                    help="--sampler truncated-poisson: the cap on a batch (records beyond it are dropped)")
     p.add_argument("--model", choices=_MODELS, default="softmax",
@@ -403,7 +404,8 @@ def _pnsgd_lines(ds, args, res, rep, led, total) -> list[str]:
     runs = ("one pass stopped at a secret uniform step" if led.schedule == "random_stop"
             else f"{led.passes} pass(es) of {led.steps_per_pass} batches of {led.batch_size}")
     if getattr(led, "sampling", "sequential") == "shuffle":
-        runs = f"{led.passes} pass(es) of {led.steps_per_pass} batches of {led.batch_size}, reshuffled (secret) every pass"
+        runs = (f"{led.passes} pass(es) of {led.steps_per_pass} batches of {led.batch_size}, reshuffled (secret) "
+                "every pass")
     if getattr(led, "sampling", "sequential") == "poisson":
         runs = (f"{led.total_steps} steps of secret Poisson batches (q = {led.q:.4g}, expected {led.batch_size}"
                 + (f", cut to {led.max_batch_size}" if led.max_batch_size else "") + ")")

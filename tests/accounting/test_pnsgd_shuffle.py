@@ -10,12 +10,13 @@ audit's lower bound (95 %).
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from scipy.special import logsumexp, ndtr
 
 import jaxdp
+
+from .test_pnsgd_poisson import _eps_of_laws  # smallest ε with both hockey-stick divergences ≤ δ (NumPy)
 
 A = jaxdp.accounting
 ORD = (1.5, 2.0, 4.0, 8.0, 32.0, 128.0)
@@ -54,10 +55,13 @@ def _linear_laws(n, b, k, lip, eta, sig, D, G):
     P = lambda bj: _transition(grid, grid, s)  # noqa: E731
     R_in = lambda bj: _transition(grid, grid - eta * lip / bj, s)  # noqa: E731
     R_out = lambda bj: _transition(grid, grid + eta * lip / bj, s)  # noqa: E731
-    sizes = _sizes(n, b)
-    M_in, M_out = _pass_kernels(R_in, P, sizes), _pass_kernels(R_out, P, sizes)
-    p = np.zeros(G)
-    p[G // 2] = 1.0
+    return _last_iterate_laws(_pass_kernels(R_in, P, _sizes(n, b)), _pass_kernels(R_out, P, _sizes(n, b)), k)
+
+
+def _last_iterate_laws(M_in, M_out, k):
+    """The laws after k passes from the grid's middle point (the data-independent start)."""
+    p = np.zeros(M_in.shape[0])
+    p[p.size // 2] = 1.0
     r = p.copy()
     for _ in range(k):
         p, r = p @ M_in, r @ M_out
@@ -74,14 +78,7 @@ def _quadratic_laws(n, b, k, eta, sig, G):
         return lambda bj: _transition(grid, grid - eta * (grid - (x_record + 0.5 * (bj - 1)) / bj), s)
 
     P = lambda bj: _transition(grid, grid - eta * (grid - 0.5), s)  # noqa: E731
-    sizes = _sizes(n, b)
-    M_in, M_out = _pass_kernels(step(0.0), P, sizes), _pass_kernels(step(1.0), P, sizes)
-    p = np.zeros(G)
-    p[G // 2] = 1.0
-    r = p.copy()
-    for _ in range(k):
-        p, r = p @ M_in, r @ M_out
-    return p, r
+    return _last_iterate_laws(_pass_kernels(step(0.0), P, _sizes(n, b)), _pass_kernels(step(1.0), P, _sizes(n, b)), k)
 
 
 def _renyi(p, r, alpha):
@@ -90,23 +87,11 @@ def _renyi(p, r, alpha):
     return (x.max() + np.log(np.sum(np.exp(x - x.max())))) / (alpha - 1)
 
 
-def _eps_of_laws(p, r, delta):
-    """Smallest ε with both hockey-stick divergences ≤ δ (bisection)."""
-    def d(e):
-        return max(np.maximum(p - np.exp(e) * r, 0).sum(), np.maximum(r - np.exp(e) * p, 0).sum())
-    if d(0.0) <= delta:
-        return 0.0
-    lo, hi = 0.0, 1.0
-    while d(hi) > delta:
-        hi *= 2
-    for _ in range(60):
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if d(mid) > delta else (lo, mid)
-    return hi
 
 
 # (n, b, L, η, σ, D) of the linear loss (β = 0); (n, b, η, σ) of the quadratic (L = D = β = 1).
-LINEAR = [(6, 2, 1.0, 1.0, 0.5, 1.0), (4, 1, 1.0, 1.0, 1.0, 2.0), (5, 2, 1.0, 1.0, 0.7, 1.5), (8, 1, 1.0, 1.0, 1.0, 1.0)]
+LINEAR = [(6, 2, 1.0, 1.0, 0.5, 1.0), (4, 1, 1.0, 1.0, 1.0, 2.0), (5, 2, 1.0, 1.0, 0.7, 1.5),
+          (8, 1, 1.0, 1.0, 1.0, 1.0)]
 QUADRATIC = [(4, 1, 0.5, 0.5), (6, 2, 1.0, 0.5), (5, 2, 0.8, 0.3)]
 
 
@@ -228,23 +213,7 @@ def test_flat_in_the_passes_and_below_composition_at_the_defaults():
     assert eps[3] < 0.5 * float(A.epsilon(ev, 1e-5))
 
 
-@pytest.mark.parametrize("x64", [False, True])
-def test_jit_vmap_grad_in_both_x64_modes(x64):
-    def f(s):
-        return A.shuffle_pnsgd_epsilon(1e-5, 1.0, 1.0, 0.5, s, 1.0, num_records=100, batch_size=10, passes=2,
-                                       orders=ORD)
-
-    with jax.enable_x64(x64):
-        e = f(1.0)
-        assert e.dtype == jnp.float64 or not x64
-        np.testing.assert_allclose(jax.jit(f)(1.0), e, rtol=1e-12)
-        np.testing.assert_allclose(jax.vmap(f)(jnp.asarray([1.0, 2.0]))[0], e, rtol=1e-12)
-        g = float(jax.grad(f)(1.0))
-    with jax.enable_x64(True):
-        h = 1e-5
-        fd = (float(f(1.0 + h)) - float(f(1.0 - h))) / (2 * h)
-    assert g < 0
-    np.testing.assert_allclose(g, fd, rtol=1e-5)
+# jit, vmap and grad (both x64 modes): the rows shuffle_pnsgd_rdp/_epsilon of tests/accounting/test_transformations.py.
 
 
 def test_bad_inputs_raise_eagerly_and_are_nan_under_jit():

@@ -16,32 +16,21 @@ import pytest
 from flax import nnx
 
 from jaxdp.accounting import PNSGD, shuffle_pnsgd_epsilon
-from jaxdp.data import from_arrays
-from jaxdp.models import LogisticRegression
 from jaxdp.training import PNSGDMechanism, RunOptions, pnsgd, train
 
-QUIET = RunOptions(progress=False)
-N, B, ETA, R = 42, 8, 0.5, 1.0
-L, BETA = math.sqrt(2.0), 0.5  # LogisticRegression's constants on unit rows (bias included)
+from .test_pnsgd_poisson_train import BETA, ETA, QUIET, R, L, _model, _params, check_resume
+from .test_pnsgd_poisson_train import _data as _poisson_data
+
+N, B = 42, 8
 
 
-def _data(n=N):
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(n, 5))
-    return from_arrays(x, (x[:, 0] > 0).astype(np.int32), test_fraction=0.0)
-
-
-def _model():
-    return LogisticRegression(5, rngs=nnx.Rngs(0))
+def _data():
+    return _poisson_data(N)
 
 
 def _mech(**kw):
     base = dict(learning_rate=ETA, radius=R, noise_multiplier=1.0, batch_size=B, passes=2, sampling="shuffle")
     return PNSGDMechanism(**{**base, **kw})
-
-
-def _params(tree):
-    return [np.asarray(a) for a in jax.tree.leaves(tree)]
 
 
 def _expected_epsilon(nu, passes):
@@ -118,26 +107,7 @@ def test_target_epsilon_calibrates_the_shuffled_hidden_state_bound():
 
 def test_shuffle_resume_is_bit_identical(tmp_path):
     # Checkpoint at step 4, crash at 6, resume mid-pass (6 steps a pass): the pass's permutation is redrawn.
-    mech = _mech(passes=2)
-    opts = dict(progress=False, account=False, steps_per_call=2)
-    full = train(_model(), _data(), mech, noise_seed=7, options=RunOptions(**opts))
-
-    class Crash(Exception):
-        pass
-
-    def crash(state, ledger):
-        if int(state.step) >= 6:
-            raise Crash
-
-    with pytest.raises(Crash):
-        train(_model(), _data(), mech, noise_seed=7,
-              options=RunOptions(**opts, checkpoint_dir=tmp_path, checkpoint_every=4, callback=crash))
-    res = train(_model(), _data(), mech, noise_seed=7, options=RunOptions(**opts, checkpoint_dir=tmp_path,
-                                                                           resume=True))
-    for a, b in zip(_params(res.state.params), _params(full.state.params)):
-        np.testing.assert_array_equal(a, b)
-    np.testing.assert_array_equal(jax.random.key_data(res.state.sample_key), jax.random.key_data(full.state.sample_key))
-    assert res.ledger == full.ledger and res.ledger.sampling == "shuffle"
+    check_resume(_mech(passes=2), _data(), tmp_path, 6, "shuffle")
 
 
 @pytest.mark.slow  # the digits smoke run (~3 s idle; the API tests above cover the run and its report)
