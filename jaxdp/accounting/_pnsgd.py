@@ -294,8 +294,9 @@ def pnsgd_privacy(
     into consecutive batches; replace-one neighbours): every record gets the same ε.
     ``iteration`` is the hidden-state bound of :func:`shuffle_pnsgd_rdp` (log-mean-exp over
     the record's secret batch of the fixed-order shift bound; for k ≥ 2 the last pass only,
-    flat in k), ``composition`` the k passes composed, ``best`` their minimum; the other
-    fields +inf.
+    flat in k), ``shifted_gdp`` the hockey-stick mixture of the same schedules as GDP
+    (:func:`shuffle_pnsgd_epsilon`), ``composition`` the k passes composed, ``best`` their
+    minimum; the other fields +inf.
 
     ``event.sampling="poisson"`` (T = ``num_steps`` steps on Poisson samples at rate q, cut
     to ``max_batch_size``, sum divided by b; add/remove neighbours): every record gets the
@@ -411,8 +412,9 @@ def _poisson_privacy(event: PNSGD, delta, positions, orders) -> PNSGDPrivacy:
         return PNSGDPrivacy(positions=pos, contraction=none, iteration=none, strongly_convex=none, composition=comp,
                             best=comp, shifted_gdp=none)
     hid = rdp_to_epsilon(event_rdp(event, orders), orders, delta).epsilon * ones
+    gdp = _pnsgd_shuffle.gdp_epsilon(event, delta) * ones if event.sampling == "shuffle" else none
     return PNSGDPrivacy(positions=pos, contraction=none, iteration=hid, strongly_convex=none, composition=comp,
-                        best=jnp.minimum(hid, comp), shifted_gdp=none)
+                        best=jnp.minimum(jnp.minimum(hid, comp), gdp), shifted_gdp=gdp)
 
 
 def stop_geometry(num_records: int, batch_size: int) -> tuple[int, int]:

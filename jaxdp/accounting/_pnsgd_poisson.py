@@ -47,7 +47,7 @@ from .. import _validate
 from .._numerics import f64, float64
 from ._conversion import rdp_to_epsilon
 from ._rdp import DEFAULT_ORDERS, _sgm_rdp, _plan
-from ._pnsgd_shuffle import event_rdp as shuffle_rdp
+from ._pnsgd_shuffle import event_epsilon as shuffle_epsilon
 from ._sampling_truncated import _tp_rdp
 
 __all__ = ["poisson_pnsgd_rdp", "poisson_pnsgd_epsilon", "POISSON_PNSGD_SPLITS"]
@@ -309,8 +309,8 @@ def calibrate_event(epsilon, delta, ev, orders_np, analysis: str):
 
     def eps(sig):
         if ev.sampling == "shuffle":  # the shuffled-batch bound (_pnsgd_shuffle.py), on the same grids
-            sev = dataclasses.replace(ev, noise_std=f64(sig), hidden=hidden)
-            return np.asarray(rdp_to_epsilon(shuffle_rdp(sev, orders_np), orders_np, delta).epsilon)
+            return np.asarray(shuffle_epsilon(dataclasses.replace(ev, noise_std=f64(sig), hidden=hidden), delta,
+                                              orders_np))
         if hidden:
             return np.asarray(poisson_pnsgd_epsilon(delta, ev.q, lip, ev.smoothness, ev.learning_rate, sig,
                                                     ev.diameter, b, ev.num_steps, num_records=n, max_batch_size=cap,

@@ -50,7 +50,9 @@ from jax.scipy.special import logsumexp
 
 from .. import _validate
 from .._numerics import f64, float64
-from ._conversion import rdp_to_epsilon
+from ._contraction_common import _eps_bracket, _solve_eps
+from ._conversion import rdp_to_delta, rdp_to_epsilon
+from ._hockey_stick import _log_theta_and_complement
 from ._rdp import DEFAULT_ORDERS
 
 __all__ = ["shuffle_pnsgd_rdp", "shuffle_pnsgd_epsilon"]
@@ -84,7 +86,8 @@ def _energies(m, sizes, passes, lip, dia_over_eta):
     return a, delta
 
 
-def _core(orders_np, lip, beta, eta, sig, dia, num_records, batch_size, passes):
+def _setup(lip, beta, eta, sig, dia, num_records, batch_size, passes):
+    """(valid, σ stand-in, A_j, δ_j, w_j) for broadcast leaves (shape P; the batches on a last axis)."""
     shape = jnp.broadcast_shapes(*(jnp.shape(x) for x in (lip, beta, eta, sig, dia)))
     lip, beta, eta, sig, dia = (jnp.broadcast_to(x, shape) for x in (lip, beta, eta, sig, dia))
     valid = ((lip >= 0) & jnp.isfinite(lip) & (beta >= 0) & jnp.isfinite(beta) & (eta > 0) & jnp.isfinite(eta)
@@ -92,6 +95,11 @@ def _core(orders_np, lip, beta, eta, sig, dia, num_records, batch_size, passes):
     lip_s, eta_s, sig_s, dia_s = (jnp.where(valid, x, 1.0) for x in (lip, eta, sig, dia))
     m, sizes, weights = _geometry(num_records, batch_size)
     a, delta = _energies(m, sizes, passes, lip_s, dia_s / eta_s)
+    return valid, sig_s, a, delta, weights
+
+
+def _core(orders_np, lip, beta, eta, sig, dia, num_records, batch_size, passes):
+    valid, sig_s, a, delta, weights = _setup(lip, beta, eta, sig, dia, num_records, batch_size, passes)
     alpha = jnp.asarray(orders_np)
     log_w = jnp.asarray(np.log(weights))
     scale = (alpha * (alpha - 1.0))[None, :] / (2.0 * sig_s[..., None, None] ** 2)  # P + (1, k)
@@ -104,6 +112,35 @@ def _core(orders_np, lip, beta, eta, sig, dia, num_records, batch_size, passes):
     comp = passes * lme(delta**2)
     rdp = jnp.maximum(jnp.minimum(hidden, comp), 0.0)  # rounding of the log-sum-exp at L = 0
     return jnp.where(valid[..., None], rdp, jnp.nan)
+
+
+def _log_delta_mixture(eps, mu, log_w):
+    """log Σ_j w_j θ_{e^ε}(μ_j): the hockey-stick divergence of the mixture over the record's batch."""
+    lt, _ = _log_theta_and_complement(eps[..., None], mu)
+    return logsumexp(lt + log_w, axis=-1)
+
+
+def _gdp_parts(lip, beta, eta, sig, dia, num_records, batch_size, passes):
+    """(valid, μ_j, log w_j): μ_j = √A_j/σ, the record in batch j of the last pass μ_j-GDP."""
+    valid, sig_s, a, _, weights = _setup(lip, beta, eta, sig, dia, num_records, batch_size, passes)
+    pos = a > 0
+    mu = jnp.where(pos, jnp.sqrt(jnp.where(pos, a, 1.0)), 0.0) / sig_s[..., None]
+    return valid, mu, jnp.asarray(np.log(weights))
+
+
+@functools.partial(jax.jit, static_argnums=(6, 7, 8))
+def _gdp_epsilon_jit(log_target, lip, beta, eta, sig, dia, num_records, batch_size, passes):
+    """The smallest ε (bisection, certified end, implicit derivative) with the mixture's δ at most the target."""
+    valid, mu, log_w = _gdp_parts(lip, beta, eta, sig, dia, num_records, batch_size, passes)
+    log_t = jnp.broadcast_to(log_target, valid.shape)
+    eps = _solve_eps(_log_delta_mixture, (mu, log_w), log_t, _eps_bracket(jnp.max(mu, axis=-1), log_t))
+    return jnp.where(valid, eps, jnp.nan)
+
+
+@functools.partial(jax.jit, static_argnums=(6, 7, 8))
+def _gdp_delta_jit(eps, lip, beta, eta, sig, dia, num_records, batch_size, passes):
+    valid, mu, log_w = _gdp_parts(lip, beta, eta, sig, dia, num_records, batch_size, passes)
+    return jnp.where(valid, jnp.exp(_log_delta_mixture(jnp.broadcast_to(eps, valid.shape), mu, log_w)), jnp.nan)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 6, 7, 8))
@@ -195,7 +232,15 @@ def shuffle_pnsgd_rdp(orders, lipschitz, smoothness, learning_rate, noise_std, d
 @float64
 def shuffle_pnsgd_epsilon(delta, lipschitz, smoothness, learning_rate, noise_std, diameter, *, num_records: int,
                           batch_size: int, passes: int = 1, orders=DEFAULT_ORDERS):
-    r"""ε at δ of :func:`shuffle_pnsgd_rdp` (the improved conversion, :func:`rdp_to_epsilon`).
+    r"""ε at δ of the shuffled run: the smaller of two conversions of the same mixture.
+
+    * :func:`shuffle_pnsgd_rdp` converted with the improved conversion (:func:`rdp_to_epsilon`);
+    * the hockey-stick mixture :math:`δ(ε) ≤ \sum_j w_j θ_{e^ε}(\sqrt{A_j}/σ)`: the record in
+      batch j of the last pass is :math:`\sqrt{A_j}/σ`-GDP by the shifted-interpolation
+      version of the same shift schedules (Bok, Su & Altschuler, the lemma
+      :func:`pnsgd_shifted_gdp` uses; row (v) is the exact composition of k Gaussian steps),
+      and the hockey-stick divergence is jointly convex; inverted by bisection (certified end,
+      implicit derivative).
 
     Args:
       delta: δ in (0, 1); the other arguments as :func:`shuffle_pnsgd_rdp`.
@@ -214,15 +259,46 @@ def shuffle_pnsgd_epsilon(delta, lipschitz, smoothness, learning_rate, noise_std
     _validate.check_delta(delta)
     rdp = shuffle_pnsgd_rdp(orders, lipschitz, smoothness, learning_rate, noise_std, diameter,
                             num_records=num_records, batch_size=batch_size, passes=passes)
-    return rdp_to_epsilon(rdp, _validate.concrete_orders(orders), delta).epsilon
+    eps_rdp = rdp_to_epsilon(rdp, _validate.concrete_orders(orders), delta).epsilon
+    eps_gdp = _gdp_epsilon_jit(jnp.log(f64(delta)), f64(lipschitz), f64(smoothness), f64(learning_rate),
+                               f64(noise_std), f64(diameter), int(num_records), int(batch_size), int(passes))
+    return jnp.minimum(eps_rdp, eps_gdp)
+
+
+def event_epsilon(ev, delta, orders_np):
+    """ε of a :class:`PNSGD` event with ``sampling="shuffle"`` (hidden: :func:`shuffle_pnsgd_epsilon`)."""
+    eps_rdp = rdp_to_epsilon(event_rdp(ev, orders_np), orders_np, delta).epsilon
+    if not ev.hidden:
+        return eps_rdp
+    return jnp.minimum(eps_rdp, _gdp_epsilon_jit(jnp.log(f64(delta)), *_leaves(ev), *_static(ev)))
+
+
+def event_delta(ev, epsilon, orders_np):
+    """δ at ε of a :class:`PNSGD` event with ``sampling="shuffle"`` (the RDP and, hidden, the GDP mixture)."""
+    d_rdp = rdp_to_delta(event_rdp(ev, orders_np), orders_np, epsilon).delta
+    if not ev.hidden:
+        return d_rdp
+    return jnp.minimum(d_rdp, _gdp_delta_jit(f64(epsilon), *_leaves(ev), *_static(ev)))
+
+
+def gdp_epsilon(ev, delta):
+    """The hockey-stick mixture's ε alone (``pnsgd_privacy``'s ``shifted_gdp`` for shuffled batches)."""
+    return _gdp_epsilon_jit(jnp.log(f64(delta)), *_leaves(ev), *_static(ev))
+
+
+def _leaves(ev):
+    return tuple(f64(x) for x in (ev.lipschitz, ev.smoothness, ev.learning_rate, ev.noise_std, ev.diameter))
+
+
+def _static(ev):
+    return int(ev.num_records), int(ev.batch_size), int(ev.passes)
 
 
 def event_rdp(ev, orders_np):
     """The RDP curve of a :class:`PNSGD` event with ``sampling="shuffle"`` (every record alike)."""
     lip, sig = f64(ev.lipschitz), f64(ev.noise_std)
     if ev.hidden:
-        return shuffle_pnsgd_rdp(orders_np, lip, ev.smoothness, ev.learning_rate, sig, ev.diameter,
-                                 num_records=ev.num_records, batch_size=ev.batch_size, passes=ev.passes)
+        return _core_jit(tuple(np.asarray(orders_np, np.float64).tolist()), *_leaves(ev), *_static(ev))
     return _composition_rdp(orders_np, lip, sig, ev.num_records, ev.batch_size, ev.passes)
 
 

@@ -386,7 +386,7 @@ def _shuffle_report(ledger: PrivacyLedger, positions, s: int, amplified_ok: bool
     n, m = positions.size, ledger.steps_per_pass
     p, t = divmod(s, m)
     exact = t == 0
-    names = ("iteration", "composition", "best") if (amplified_ok and exact) else ("composition",)
+    names = ("iteration", "shifted_gdp", "composition", "best") if (amplified_ok and exact) else ("composition",)
     if s == 0:
         by = {k: np.zeros(n) for k in names}
         note = False
