@@ -273,7 +273,8 @@ class PNSGD(Event):
       permutation cut into consecutive batches of ``batch_size``; ``relation="replace_one"``,
       ``schedule="fixed"``): with ``hidden=True`` the hidden-state bound of
       :func:`shuffle_pnsgd_rdp` (log-mean-exp over the record's secret batch; flat in the
-      passes from the second on once below composition), which includes composition; with
+      passes once below composition), which includes composition, and its hockey-stick
+      mixture (:func:`shuffle_pnsgd_epsilon`) for ε and δ; with
       ``hidden=False`` the passes composed. Every record gets the same ε.
     * ``sampling="poisson"`` (``num_steps`` T steps, each on a Poisson sample at rate ``q``,
       cut to ``max_batch_size`` B records when more are drawn, the gradient sum divided by

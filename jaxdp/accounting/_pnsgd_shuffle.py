@@ -36,6 +36,10 @@ in batch j of the last pass:
 The result is also capped by composition (every iterate released):
 :math:`k\cdot\frac1{α-1}\log\sum_j w_j e^{(α-1)αΔ_j^2/(2σ^2)}`. For k ≥ 2 the shifted terms do
 not depend on k, so the bound is flat in the number of passes once they beat composition.
+
+:func:`shuffle_pnsgd_epsilon` also mixes the same schedules as hockey-stick divergences: the
+record in batch j is :math:`\sqrt{A_j}/σ`-GDP (shifted interpolation, Bok, Su & Altschuler), and
+:math:`δ(ε) ≤ \sum_j w_j θ_{e^ε}(\sqrt{A_j}/σ)`; it returns the smaller ε.
 """
 
 from __future__ import annotations
