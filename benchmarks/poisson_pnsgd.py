@@ -24,11 +24,17 @@ DELTA = 1e-5
 STEPS = [1, 10, 100, 300, 1_000, 2_000, 3_000, 10_000, 100_000, 1_000_000]
 
 
-def main():
+def arguments():
+    """``--out DIR``; prints the machine and its load first."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     print(f"machine: {platform.machine()} {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f}")
+    return args
+
+
+def main():
+    args = arguments()
     t0 = time.perf_counter()
     step = A.truncated_poisson_rdp(A.DEFAULT_ORDERS, RUN[0], 1000, 20, RUN[4] * RUN[6] / RUN[1])
     rows = []
@@ -44,28 +50,34 @@ def main():
     print(f"burn-in (best tau over the orders): {int(np.min(tau)):,}-{int(np.max(tau)):,} steps; "
           f"{time.perf_counter() - t0:.1f} s")
     if args.out:
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print("matplotlib not installed: no figure")
-            return
-        out = pathlib.Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
         Ts = np.unique(np.geomspace(1, 1e6, 40).astype(int))
         h = [float(A.poisson_pnsgd_epsilon(DELTA, *RUN, int(T), **STATIC)) for T in Ts]
         c = [float(A.rdp_to_epsilon(int(T) * step, A.DEFAULT_ORDERS, DELTA).epsilon) for T in Ts]
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.loglog(Ts, c, label="composition (every iterate released)")
-        ax.loglog(Ts, h, label="hidden state (poisson_pnsgd_epsilon)")
-        ax.set_xlabel("steps T")
-        ax.set_ylabel("epsilon at delta = 1e-5")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "poisson_pnsgd.png", dpi=120)
-        print(f"wrote {out / 'poisson_pnsgd.png'}")
+        figure(args.out, "poisson_pnsgd.png", Ts, {"composition (every iterate released)": (c, "-"),
+                                                   "hidden state (poisson_pnsgd_epsilon)": (h, "-")}, "steps T")
+
+
+def figure(out_dir, name, xs, series, xlabel):
+    """A log-log plot of ``series`` (label -> (values, line style)) against ``xs``, at 1e-5, if matplotlib is here."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no figure")
+        return
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, (ys, style) in series.items():
+        ax.loglog(xs, ys, style, label=label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("epsilon at delta = 1e-5")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=120)
+    print(f"wrote {out / name}")
 
 
 if __name__ == "__main__":

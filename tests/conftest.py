@@ -162,6 +162,9 @@ SLOW_IN_CI = {
     "tests/training/test_pnsgd_poisson_train.py::test_poisson_resume_is_bit_identical",
     # The command's glue over the mechanism (its tests above cover the run); compiles the truncated step's RDP.
     "tests/training/test_pnsgd_poisson_train.py::test_the_command_line_trains_pnsgd_on_poisson_batches",
+    # PNSGD with shuffled batches: the σ-grid calibration and the orbax resume (~4-5 s idle each).
+    "tests/training/test_pnsgd_shuffle_train.py::test_target_epsilon_calibrates_the_shuffled_hidden_state_bound",
+    "tests/training/test_pnsgd_shuffle_train.py::test_shuffle_resume_is_bit_identical",
     # Example 23 draws the shuffling figure: its numbers are checked by test_figures and the
     # function by test_shuffle_lower.py.
     "tests/test_examples.py::test_example_smoke[23_shuffle_lower_bound.py]",

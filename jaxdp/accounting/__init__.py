@@ -96,6 +96,8 @@ from ._pnsgd_calibrate import calibrate_pnsgd_noise_std as calibrate_pnsgd_noise
 from ._pnsgd_poisson import POISSON_PNSGD_SPLITS as POISSON_PNSGD_SPLITS
 from ._pnsgd_poisson import poisson_pnsgd_epsilon as poisson_pnsgd_epsilon
 from ._pnsgd_poisson import poisson_pnsgd_rdp as poisson_pnsgd_rdp
+from ._pnsgd_shuffle import shuffle_pnsgd_epsilon as shuffle_pnsgd_epsilon
+from ._pnsgd_shuffle import shuffle_pnsgd_rdp as shuffle_pnsgd_rdp
 from ._rdp import DEFAULT_ORDERS as DEFAULT_ORDERS
 from ._rdp import gaussian_rdp as gaussian_rdp
 from ._rdp import heterogeneous_rdp as heterogeneous_rdp
@@ -212,6 +214,8 @@ __all__ = [
     # PNSGD with Poisson batches (hidden state, flat in the number of steps).
     "poisson_pnsgd_rdp",
     "poisson_pnsgd_epsilon",
+    "shuffle_pnsgd_rdp",
+    "shuffle_pnsgd_epsilon",
     "POISSON_PNSGD_SPLITS",
     # PNSGD theorems: contraction (Asoodeh et al.).
     "step_contraction",

@@ -32,7 +32,7 @@ import numpy as np
 from .. import _validate
 from .._numerics import f64, float64
 from .._program_cache import persistent
-from . import _allocation, _parity, _pld, _pnsgd_poisson, _sampling
+from . import _allocation, _parity, _pld, _pnsgd_poisson, _pnsgd_shuffle, _sampling
 from ._contraction import pnsgd_contraction_delta, step_contraction, stop_pnsgd_contraction_delta
 from ._conversion import rdp_to_delta, rdp_to_epsilon
 from ._dpsbcd import dpsbcd_rdp
@@ -187,6 +187,8 @@ def _stop_rdp(ev: PNSGD, orders, batches):
 def _pnsgd_rdp(ev: PNSGD, orders: np.ndarray):
     if ev.sampling == "poisson":
         return _pnsgd_poisson.event_rdp(ev, orders)
+    if ev.sampling == "shuffle":
+        return jnp.where(_pnsgd_step_ok(ev)[..., None], _pnsgd_shuffle.event_rdp(ev, orders), jnp.nan)
     n = ev.num_records
     if ev.schedule == "random_stop":
         curve = _stop_rdp(ev, orders, 1)
@@ -305,6 +307,11 @@ def _rdp_epsilon(event: Event, target_delta, orders: np.ndarray):
         # A lone PNSGD run gets its own (ε, δ) analyses, tighter than its RDP curve.
         _check_pnsgd_support(event, "event")
         return _map_pnsgd(lambda ev, d: _pnsgd_epsilon_one(ev, d, orders), event, target_delta)
+    if isinstance(event, PNSGD) and event.sampling == "shuffle":
+        # Shuffled batches: the RDP curve and the hockey-stick mixture of the same shift bound.
+        _check_pnsgd_support(event, "event")
+        eps = _pnsgd_shuffle.event_epsilon(event, target_delta, orders)
+        return jnp.where(_pnsgd_step_ok(event), eps, jnp.nan)
     return rdp_to_epsilon(_rdp_compose(event, orders), orders, target_delta).epsilon
 
 
@@ -312,6 +319,9 @@ def _rdp_delta(event: Event, target_epsilon, orders: np.ndarray):
     if isinstance(event, PNSGD) and event.sampling == "sequential":
         _check_pnsgd_support(event, "event")
         return _map_pnsgd(lambda ev, e: _pnsgd_delta_one(ev, e, orders), event, target_epsilon)
+    if isinstance(event, PNSGD) and event.sampling == "shuffle":
+        _check_pnsgd_support(event, "event")
+        return jnp.where(_pnsgd_step_ok(event), _pnsgd_shuffle.event_delta(event, target_epsilon, orders), jnp.nan)
     return rdp_to_delta(_rdp_compose(event, orders), orders, target_epsilon).delta
 
 

@@ -67,17 +67,20 @@ def register_event_type(cls: type, *, relation, check) -> None:
 
 RELATIONS = ("add_remove", "replace_one")
 _SCHEDULES = ("fixed", "random_stop")
-_SAMPLINGS = ("sequential", "poisson")
+_SAMPLINGS = ("sequential", "poisson", "shuffle")
 
 
 def _check_pnsgd_sampling(ev) -> None:
     """The static fields of a PNSGD run's batch sampling (see :class:`PNSGD`)."""
     extra = {"q": ev.q, "num_steps": ev.num_steps, "max_batch_size": ev.max_batch_size}
-    if ev.sampling == "sequential":
+    if ev.sampling in ("sequential", "shuffle"):
         given = [k for k, v in extra.items() if v is not None]
         if given:
             raise ValueError(f"PNSGD.{given[0]} is a field of Poisson sampling only; set sampling='poisson' or "
                              f"leave it None.")
+        if ev.sampling == "shuffle" and (ev.relation != "replace_one" or ev.schedule != "fixed"):
+            raise ValueError("PNSGD with sampling='shuffle' is analysed under relation='replace_one' and "
+                             f"schedule='fixed'; got relation {ev.relation!r}, schedule {ev.schedule!r}.")
         return
     if ev.relation != "add_remove":
         raise ValueError("PNSGD with sampling='poisson' is analysed under relation='add_remove' (the relation of "
@@ -266,6 +269,13 @@ class PNSGD(Event):
       Feldman et al.'s Theorem 26 RDP (``form="logmeanexp"``), and per record the
       composition bound too. Needs ``passes=1``; with ``batch_size`` b > 1 the batches are
       the steps (Lipschitz constant L/b_min, see :func:`pnsgd_privacy`).
+    * ``sampling="shuffle"`` (``passes`` passes, each over a fresh secret uniformly random
+      permutation cut into consecutive batches of ``batch_size``; ``relation="replace_one"``,
+      ``schedule="fixed"``): with ``hidden=True`` the hidden-state bound of
+      :func:`shuffle_pnsgd_rdp` (log-mean-exp over the record's secret batch; flat in the
+      passes once below composition), which includes composition, and its hockey-stick
+      mixture (:func:`shuffle_pnsgd_epsilon`) for ε and δ; with
+      ``hidden=False`` the passes composed. Every record gets the same ε.
     * ``sampling="poisson"`` (``num_steps`` T steps, each on a Poisson sample at rate ``q``,
       cut to ``max_batch_size`` B records when more are drawn, the gradient sum divided by
       the fixed ``batch_size`` b; ``relation="add_remove"``): with ``hidden=True`` the
@@ -281,8 +291,8 @@ class PNSGD(Event):
       hidden: whether intermediate iterates are hidden (static).
       relation: ``"replace_one"`` (fixed-order analyses) or ``"add_remove"`` (Poisson
         sampling; static).
-      sampling: ``"sequential"`` (consecutive batches in a fixed order; default) or
-        ``"poisson"`` (static).
+      sampling: ``"sequential"`` (consecutive batches in a fixed order; default),
+        ``"shuffle"`` (a fresh secret permutation every pass) or ``"poisson"`` (static).
       q, num_steps, max_batch_size: Poisson sampling only: the rate in [0, 1], T ≥ 1 and
         B ≥ 1 or None (static Python numbers).
 

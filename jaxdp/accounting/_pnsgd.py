@@ -33,7 +33,8 @@ from ._conversion import rdp_to_epsilon
 from ._events import PNSGD
 from ._iteration import _linear_eps_masked, _pabi_coefficient, _sc_coefficient, stop_pnsgd_iteration_rdp
 from ._pnsgd_invert import _contraction_eps_grid, _gdp_eps
-from ._pnsgd_poisson import event_rdp
+from . import _pnsgd_shuffle
+from ._pnsgd_poisson import event_rdp as _poisson_event_rdp
 from ._rdp import DEFAULT_ORDERS
 from ._shifted import _log_contraction, _shifted_energy
 
@@ -289,6 +290,14 @@ def pnsgd_privacy(
     * ``strongly_convex`` and ``shifted_gdp``: +inf (not derived for random stopping);
       ``best``: the minimum of the three.
 
+    ``event.sampling="shuffle"`` (k passes, each over a fresh secret uniform permutation cut
+    into consecutive batches; replace-one neighbours): every record gets the same ε.
+    ``iteration`` is the hidden-state bound of :func:`shuffle_pnsgd_rdp` (log-mean-exp over
+    the record's secret batch of the fixed-order shift bound; for k ≥ 2 the last pass only,
+    flat in k), ``shifted_gdp`` the hockey-stick mixture of the same schedules as GDP
+    (:func:`shuffle_pnsgd_epsilon`), ``composition`` the k passes composed, ``best`` their
+    minimum; the other fields +inf.
+
     ``event.sampling="poisson"`` (T = ``num_steps`` steps on Poisson samples at rate q, cut
     to ``max_batch_size``, sum divided by b; add/remove neighbours): every record gets the
     same ε. ``iteration`` is the hidden-state bound of :func:`poisson_pnsgd_rdp` (shifted
@@ -367,7 +376,7 @@ _WARN_LEVEL = 4
 def run_privacy(event: PNSGD, delta, *, positions=None, strongly_convex_form: str = "proposition1",
                 orders=DEFAULT_ORDERS) -> PNSGDPrivacy:
     """:func:`pnsgd_privacy` of a record (no deprecation door; the accountants call this)."""
-    if event.sampling == "poisson":
+    if event.sampling in ("poisson", "shuffle"):
         return _poisson_privacy(event, delta, positions, orders)
     if event.relation != "replace_one":
         raise ValueError(f"the PNSGD analyses cover relation 'replace_one' only; got relation {event.relation!r}.")
@@ -385,7 +394,9 @@ def run_privacy(event: PNSGD, delta, *, positions=None, strongly_convex_form: st
 
 
 def _poisson_privacy(event: PNSGD, delta, positions, orders) -> PNSGDPrivacy:
-    """Poisson batches (see :func:`pnsgd_privacy`): every record alike; ``iteration`` is the hidden-state bound."""
+    """Poisson or shuffled batches (see :func:`pnsgd_privacy`): every record alike; ``iteration`` is the
+    hidden-state bound."""
+    event_rdp = _pnsgd_shuffle.event_rdp if event.sampling == "shuffle" else _poisson_event_rdp
     _validate.check_delta(delta)
     orders = _validate.concrete_orders(orders)
     n = event.num_records
@@ -401,8 +412,9 @@ def _poisson_privacy(event: PNSGD, delta, positions, orders) -> PNSGDPrivacy:
         return PNSGDPrivacy(positions=pos, contraction=none, iteration=none, strongly_convex=none, composition=comp,
                             best=comp, shifted_gdp=none)
     hid = rdp_to_epsilon(event_rdp(event, orders), orders, delta).epsilon * ones
+    gdp = _pnsgd_shuffle.gdp_epsilon(event, delta) * ones if event.sampling == "shuffle" else none
     return PNSGDPrivacy(positions=pos, contraction=none, iteration=hid, strongly_convex=none, composition=comp,
-                        best=jnp.minimum(hid, comp), shifted_gdp=none)
+                        best=jnp.minimum(jnp.minimum(hid, comp), gdp), shifted_gdp=gdp)
 
 
 def stop_geometry(num_records: int, batch_size: int) -> tuple[int, int]:

@@ -152,7 +152,7 @@ def calibrate_pnsgd_noise_std(
     :math:`dσ^* = -∂h\cdot d(\ldots)/∂_σ h` with h its constraint (log δ(ε) − log δ, or
     ε(σ) − ε).
 
-    An event with ``sampling="poisson"`` is calibrated on its own bound (every record alike,
+    An event with ``sampling="poisson"`` or ``"shuffle"`` is calibrated on its own bound (every record alike,
     ``analysis="best"`` or ``"composition"``): eagerly, on geometric grids of σ, returning a
     σ at which ε was evaluated and met the target (values only; traced inputs raise).
 
@@ -198,9 +198,9 @@ def calibrate_pnsgd_noise_std(
     if old_keywords:
         raise TypeError("calibrate_pnsgd_noise_std(epsilon, delta, event): the run's constants come from the record; "
                         f"got also {', '.join(sorted(old_keywords))}.")
-    if event.sampling == "poisson":
+    if event.sampling in ("poisson", "shuffle"):
         if analysis not in ("best", "composition") or positions is not None:
-            raise ValueError("with sampling='poisson' every record alike: calibrate_pnsgd_noise_std takes "
+            raise ValueError(f"with sampling={event.sampling!r} every record alike: calibrate_pnsgd_noise_std takes "
                              f"analysis='best' or 'composition' and positions=None; got analysis={analysis!r}.")
         return _pnsgd_poisson.calibrate_event(epsilon, delta, event, DEFAULT_ORDERS_NP,
                                               analysis if event.hidden else "composition")

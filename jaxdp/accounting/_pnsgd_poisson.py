@@ -35,6 +35,7 @@ the best τ (the burn-in).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -46,6 +47,7 @@ from .. import _validate
 from .._numerics import f64, float64
 from ._conversion import rdp_to_epsilon
 from ._rdp import DEFAULT_ORDERS, _sgm_rdp, _plan
+from ._pnsgd_shuffle import event_epsilon as shuffle_epsilon
 from ._sampling_truncated import _tp_rdp
 
 __all__ = ["poisson_pnsgd_rdp", "poisson_pnsgd_epsilon", "POISSON_PNSGD_SPLITS"]
@@ -280,7 +282,7 @@ _CAL_ROUNDS = 4
 
 
 def calibrate_event(epsilon, delta, ev, orders_np, analysis: str):
-    r"""Smallest σ meeting (ε, δ) for a :class:`PNSGD` event with ``sampling="poisson"`` (eager).
+    r"""Smallest σ meeting (ε, δ) for a :class:`PNSGD` event with ``sampling="poisson"`` or ``"shuffle"`` (eager).
 
     ε(σ) decreases in σ (S_α falls with its noise multiplier, the shift cost with σ²), so the
     certified set is :math:`[σ^*, ∞)`. Four rounds of 64 geometric points narrow the bracket
@@ -292,8 +294,8 @@ def calibrate_event(epsilon, delta, ev, orders_np, analysis: str):
     """
     if not all(_validate.is_concrete(x) for x in (epsilon, delta, ev.lipschitz, ev.smoothness, ev.learning_rate,
                                                    ev.diameter)):
-        raise ValueError("calibrate_pnsgd_noise_std with sampling='poisson' runs eagerly: epsilon, delta and the "
-                         "event's leaves must be concrete (not traced by jit, vmap or grad).")
+        raise ValueError(f"calibrate_pnsgd_noise_std with sampling={ev.sampling!r} runs eagerly: epsilon, delta and "
+                         "the event's leaves must be concrete (not traced by jit, vmap or grad).")
     _validate.check_in_range("epsilon", epsilon, 0.0, math.inf, lo_open=True)
     _validate.check_delta(delta)
     for name in ("lipschitz", "smoothness", "learning_rate", "diameter"):
@@ -306,6 +308,9 @@ def calibrate_event(epsilon, delta, ev, orders_np, analysis: str):
     hidden = ev.hidden and analysis == "best"
 
     def eps(sig):
+        if ev.sampling == "shuffle":  # the shuffled-batch bound (_pnsgd_shuffle.py), on the same grids
+            return np.asarray(shuffle_epsilon(dataclasses.replace(ev, noise_std=f64(sig), hidden=hidden), delta,
+                                              orders_np))
         if hidden:
             return np.asarray(poisson_pnsgd_epsilon(delta, ev.q, lip, ev.smoothness, ev.learning_rate, sig,
                                                     ev.diameter, b, ev.num_steps, num_records=n, max_batch_size=cap,

@@ -54,8 +54,9 @@ def add_parser(sub) -> None:
                         "neighbours), balls-in-bins or shuffle (no amplification certified: the report says so first). "
                         "--algorithm pnsgd (default: the fixed shuffled-once order): poisson or truncated-poisson, "
                         "secret Poisson batches with the hidden-state bound that stops growing after a burn-in "
-                        "(needs eta*beta*B/b <= 2, B the --max-batch-size); shuffle is refused (no sound hidden-state "
-                        "analysis). --batch-size sets the (expected) batch")
+                        "(needs eta*beta*B/b <= 2, B the --max-batch-size), or shuffle, a fresh secret permutation "
+                        "every pass with the hidden-state bound that does not grow with the passes. --batch-size sets "
+                        "the (expected) batch")
     p.add_argument("--max-batch-size", "--max-batch", type=int, default=None, metavar="B", dest="max_batch_size",
                    help="--sampler truncated-poisson: the cap on a batch (records beyond it are dropped)")
     p.add_argument("--selected", type=int, default=None, metavar="K",
@@ -311,16 +312,14 @@ def _pnsgd_sampling(args) -> dict:
     """PNSGD's ``sampling`` and ``max_batch_size`` from --sampler (none: the fixed order)."""
     if args.sampler is None:
         return {}
+    if args.sampler == "shuffle":
+        return {"sampling": "shuffle"}
     return {"sampling": "poisson", "max_batch_size": args.max_batch_size}
 
 
 def _sampler(args):
     """DP-SGD's sampler from --sampler and --max-batch (None: Poisson, as without the option)."""
-    if args.algorithm == "pnsgd" and args.sampler == "shuffle":
-        raise _Usage("--sampler shuffle is not available with --algorithm pnsgd: no sound hidden-state analysis of "
-                     "reshuffled batches is known (docs/hidden_state_poisson.md); use --sampler poisson or "
-                     "truncated-poisson, the fixed order (no --sampler), or --algorithm dpsgd --sampler shuffle")
-    pnsgd_ok = ("poisson", "truncated-poisson")
+    pnsgd_ok = ("poisson", "truncated-poisson", "shuffle")
     if args.sampler is not None and args.algorithm != "dpsgd" and not (args.algorithm == "pnsgd"
                                                                          and args.sampler in pnsgd_ok):
         raise _Usage(f"--sampler {args.sampler} needs --algorithm dpsgd"
@@ -416,6 +415,9 @@ def _pnsgd_lines(ds, args, res, rep, led, total) -> list[str]:
     comp = rep.summary(rep.composition)
     runs = ("one pass stopped at a secret uniform step" if led.schedule == "random_stop"
             else f"{led.passes} pass(es) of {led.steps_per_pass} batches of {led.batch_size}")
+    if getattr(led, "sampling", "sequential") == "shuffle":
+        runs = (f"{led.passes} pass(es) of {led.steps_per_pass} batches of {led.batch_size}, reshuffled (secret) "
+                "every pass")
     if getattr(led, "sampling", "sequential") == "poisson":
         runs = (f"{led.total_steps} steps of secret Poisson batches (q = {led.q:.4g}, expected {led.batch_size}"
                 + (f", cut to {led.max_batch_size}" if led.max_batch_size else "") + ")")

@@ -55,7 +55,7 @@ from ._transforms import pnsgd, pnsgd_noise_std, project_onto_l2_ball
 __all__ = ["PNSGDMechanism", "PNSGDState"]
 
 _SCHEDULES = ("fixed", "random_stop")
-_SAMPLINGS = ("sequential", "poisson")
+_SAMPLINGS = ("sequential", "poisson", "shuffle")
 
 
 @frozen_config
@@ -111,8 +111,12 @@ class PNSGDMechanism:
         record alike, flat in the steps after a burn-in; the event
         ``PNSGD(..., sampling="poisson")``), which needs :math:`\eta\beta B/b \le 2`
         (checked here when ``smoothness`` and ``max_batch_size`` are given, else when training
-        starts). Shuffled batches are refused: we know no sound hidden-state analysis of
-        batches reshuffled every pass (``docs/hidden_state_poisson.md``, section 8).
+        starts). ``"shuffle"``: every pass cuts a fresh **secret** uniformly random permutation
+        of the N records into consecutive batches (the last one smaller: ``drop_remainder``
+        does not apply), each averaged over its size; a convex model gets the hidden-state
+        bound of :func:`~jaxdp.accounting.shuffle_pnsgd_rdp` (replace-one neighbours, every
+        record alike, flat in the passes; the event ``PNSGD(..., sampling="shuffle")``;
+        ``docs/hidden_state_poisson.md`` §8).
       max_batch_size: :math:`B \ge 1` of ``sampling="poisson"``; ``None`` keeps every drawn
         record (then :math:`B = N + 1`, the neighbour's size, which only a tiny
         :math:`\eta\beta` allows).
@@ -178,14 +182,13 @@ class PNSGDMechanism:
 
 def _check_sampling(mech: PNSGDMechanism) -> None:
     """The batch scheme's fields (see :class:`PNSGDMechanism`), with the contraction ηβB/b ≤ 2 when β is given."""
-    if mech.sampling in ("shuffle", "shuffled"):
-        raise ValueError("sampling='shuffle' is not available for PNSGD: no sound hidden-state analysis of reshuffled "
-                         "batches is known (docs/hidden_state_poisson.md); use sampling='poisson', the fixed order "
-                         "(sampling='sequential'), or DPSGDMechanism(sampler=Shuffle()) for composition.")
     _validate.check_static_choice("sampling", mech.sampling, _SAMPLINGS)
     if mech.sampling != "poisson":
         if mech.max_batch_size is not None:
             raise ValueError(f"max_batch_size is a field of sampling='poisson' only; got sampling={mech.sampling!r}.")
+        if mech.sampling == "shuffle" and mech.schedule != "fixed":
+            raise ValueError("schedule='random_stop' is not available with sampling='shuffle' (the shuffled-batch "
+                             "analysis is for whole passes); use schedule='fixed'.")
         return
     if mech.schedule != "fixed":
         raise ValueError("schedule='random_stop' is not available with sampling='poisson' (the Poisson analysis is "
@@ -268,8 +271,8 @@ def _noise_for_target(mech: PNSGDMechanism, ledger: PrivacyLedger, planned_steps
 def setup(mech: PNSGDMechanism, model, x, y, x_bound, *, delta, order_seed, secret, fixed_seed, mesh,
           options) -> Run:
     """PNSGD on ``model`` and ``(x, y)``: plan, ledger, initial state and the compiled segments."""
-    poisson = mech.sampling == "poisson"
-    drop = mech.drop_remainder and not poisson  # Poisson batches use every record
+    poisson, shuffle = mech.sampling == "poisson", mech.sampling == "shuffle"
+    drop = mech.drop_remainder and not (poisson or shuffle)  # random batches use every record
     pp = _plan_privacy(model, x, x_bound, learning_rate=mech.learning_rate, radius=mech.radius,
                        batch_size=mech.batch_size, passes=mech.passes, schedule=mech.schedule,
                        drop_remainder=drop, loss_fn=mech.loss_fn, clip_norm=mech.clip_norm,
@@ -282,6 +285,9 @@ def setup(mech: PNSGDMechanism, model, x, y, x_bound, *, delta, order_seed, secr
         eta_max = float(pp.learning_rate if pp.learning_rates is None else pp.learning_rates.max())
         reason, extra = plan_poisson(pp, sampler, mech.batch_size, eta_max)
         plan = plan._replace(steps_per_pass=sampler.steps_per_pass)
+    elif shuffle:
+        reason, extra = f"{pp.reason}; secret batches reshuffled every pass, replace-one neighbours", {
+            "sampling": "shuffle"}
     batch_size, passes, schedule, radius = mech.batch_size, mech.passes, mech.schedule, float(mech.radius)
     steps_per_call = plan.full_batches if options.steps_per_call is None else options.steps_per_call
     if mech.return_intermediates:
@@ -323,9 +329,9 @@ def setup(mech: PNSGDMechanism, model, x, y, x_bound, *, delta, order_seed, secr
 
     # ---------------- initial state ----------------
     order = jax.random.permutation(jax.random.key(int(order_seed)), plan.n_total).astype(jnp.int32)
-    if poisson:  # no order: every record is sampled alike
+    if poisson or shuffle:  # no public order: every record is sampled alike
         order = jnp.arange(plan.n_total, dtype=jnp.int32)
-    k_noise, k_stop = jax.random.split(secret)  # Poisson batches: k_stop is the sampling key
+    k_noise, k_stop = jax.random.split(secret)  # Poisson or shuffled batches: k_stop is the sampling key
     if schedule == "random_stop":
         total = int(jax.random.randint(k_stop, (), 1, plan.steps_per_pass + 1))
     else:
@@ -347,7 +353,8 @@ def setup(mech: PNSGDMechanism, model, x, y, x_bound, *, delta, order_seed, secr
     ledger = ledger._replace(total_steps=total)
     state = PNSGDState(params=params0, opt_state=tx.init(params0), step=jnp.zeros((), jnp.int32), order=order,
                        total_steps=jnp.asarray(total, jnp.int32), max_grad_norm=jnp.zeros((), jnp.float32),
-                       clipped=jnp.zeros((), jnp.int32), sample_key=sampler.init_key(k_stop) if poisson else None)
+                       clipped=jnp.zeros((), jnp.int32),
+                       sample_key=sampler.init_key(k_stop) if poisson else (k_stop if shuffle else None))
 
     # ---------------- compiled segments ----------------
     one_step = _make_step(graphdef, rest, pp.loss_fn, tx, pp.clip_norm, mech.use_fast_path, mesh)
@@ -377,16 +384,22 @@ def setup(mech: PNSGDMechanism, model, x, y, x_bound, *, delta, order_seed, secr
         return c, (jax.tree.map(lambda a: a[None], c[0]) if keep else None)
 
     run_full_jit = jax.jit(run_full, static_argnames=("length",))
+    pass_order = jax.jit(lambda k, p: jax.random.permutation(jax.random.fold_in(k, p), plan.n_total).astype(jnp.int32))
     run_partial_jit = jax.jit(run_partial)
 
     def run(st: PNSGDState, first, length, partial):
         carry = (st.params, st.opt_state, st.step, st.max_grad_norm, st.clipped)
+        # Shuffled batches: this pass's secret permutation, from the sampling key and the pass index
+        # (segments never cross a pass, and a resumed run draws the same permutation).
+        order = pass_order(st.sample_key, jnp.asarray(first // plan.steps_per_pass, jnp.int32)) if shuffle \
+            else st.order
         if partial:
-            carry, ys = run_partial_jit(carry, st.order, st.total_steps)
+            carry, ys = run_partial_jit(carry, order, st.total_steps)
         else:
             j0 = first % plan.steps_per_pass
-            carry, ys = run_full_jit(carry, st.order, jnp.asarray(j0, jnp.int32), st.total_steps, length=length)
-        return PNSGDState(carry[0], carry[1], carry[2], st.order, st.total_steps, carry[3], carry[4]), ys
+            carry, ys = run_full_jit(carry, order, jnp.asarray(j0, jnp.int32), st.total_steps, length=length)
+        return PNSGDState(carry[0], carry[1], carry[2], st.order, st.total_steps, carry[3], carry[4],
+                          st.sample_key), ys
 
     def after(led: PrivacyLedger, st: PNSGDState) -> PrivacyLedger:
         led = led._replace(steps_done=int(st.step), clipped=int(st.clipped), max_grad_norm=float(st.max_grad_norm))

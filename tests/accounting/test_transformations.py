@@ -182,6 +182,11 @@ CASES.update({
                                                         num_records=1000)[-1], 1.3),
     "poisson_pnsgd_epsilon": (lambda x: A.poisson_pnsgd_epsilon(1e-5, 0.01, 1.0, 0.0, 0.5, x, 1.0, 10.0, 3000,
                                                                 num_records=1000, orders=ORD), 1.3),
+    # PNSGD with shuffled batches (x: σ; two passes, the shifted rows bind at the larger orders).
+    "shuffle_pnsgd_rdp": (lambda x: A.shuffle_pnsgd_rdp(ORD, 1.0, 1.0, 0.5, x, 1.0, num_records=100, batch_size=10,
+                                                        passes=2)[-1], 1.3),
+    "shuffle_pnsgd_epsilon": (lambda x: A.shuffle_pnsgd_epsilon(1e-5, 1.0, 1.0, 0.5, x, 1.0, num_records=100,
+                                                                batch_size=10, passes=2, orders=ORD), 1.3),
     "dpsbcd_rdp": (lambda x: A.dpsbcd_rdp(ORD, (0.01, 0.02, 0.01), learning_rate=0.05, sensitivity=x,
                                           contraction=0.97, prox_lipschitz=1.0, num_records=12, batch_size=3)[-1], 1.3),
     "dpsbcd_rdp_per_batch": (lambda x: A.dpsbcd_rdp_per_batch(ORD, (0.01, 0.02, 0.01), learning_rate=0.05,

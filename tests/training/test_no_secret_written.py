@@ -61,6 +61,10 @@ API = {
     "pnsgd_poisson": (lambda: SoftmaxRegression(6, 3, rngs=nnx.Rngs(0)),
                       lambda: PNSGDMechanism(learning_rate=0.05, radius=5.0, noise_multiplier=1.0, batch_size=3,
                                              sampling="poisson")),
+    # Shuffled batches: the permutations' key is a second secret in the state.
+    "pnsgd_shuffle": (lambda: SoftmaxRegression(6, 3, rngs=nnx.Rngs(0)),
+                      lambda: PNSGDMechanism(learning_rate=0.05, radius=5.0, noise_multiplier=1.0, batch_size=3,
+                                             sampling="shuffle")),
     "dpsgd": (lambda: MLP((6, 4, 3), rngs=nnx.Rngs(0)),
               lambda: DPSGDMechanism(clip_norm=1.0, noise_multiplier=1.0, learning_rate=0.1, batch_size=3)),
     "dpsgd_shuffle": (lambda: MLP((6, 4, 3), rngs=nnx.Rngs(0)),

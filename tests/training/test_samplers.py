@@ -300,7 +300,6 @@ def test_run_reaches_target_reports_its_scheme_and_resumes_bit_identically(name,
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--sampler", "shuffle"], "--sampler shuffle is not available with --algorithm pnsgd: no sound hidden-state"),
     (["--sampler", "fixed-size"], "--sampler fixed-size needs --algorithm dpsgd"),
     (["--algorithm", "dpsbcd", "--sampler", "poisson"], "--sampler poisson needs --algorithm dpsgd or pnsgd"),
     (["--algorithm", "dpsgd", "--sampler", "truncated-poisson"], "needs --max-batch-size"),
