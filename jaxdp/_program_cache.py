@@ -40,11 +40,23 @@ is missing, torn or fails to load) falls back to the path above, which traces an
 lowered module itself. Code changed in memory rather than on disk (a monkeypatched jaxdp
 function) is not in the digest: turn the cache off (``JAXDP_CACHE_DIR=off``) to trace it.
 
-Any other call (traced arguments, several devices, a program with hoisted constants, any
-error of the cache itself) runs the ``jax.jit`` function unchanged, so the cache can make a
-call faster but never change its value: the same module compiled with the same compiler
-gives the same executable, and an index entry names the program that the same source,
-library versions and signature traced to.
+Any other call (traced arguments, several devices, a program with hoisted constants, JAX's
+own persistent cache configured, any error of the cache itself) runs the ``jax.jit``
+function unchanged, so the cache can make a call faster but never change its value: the
+same module compiled with the same compiler gives the same executable, and an index entry
+names the program that the same source, library versions and signature traced to.
+
+JAX's own persistent compilation cache (``JAX_COMPILATION_CACHE_DIR``, or
+``jax.config.update("jax_compilation_cache_dir", ...)``; the ``jaxdp`` command turns it on for
+``train``, ``grid``, ``audit`` and ``per-instance``): while it is configured (or has been set
+up in this process), this cache steps aside and JAX's does the job (each process then traces
+and lowers, and loads from JAX's folder). The reason: an executable that JAX loaded from its
+cache serialises to bytes that load in another process but fail when run (``JaxRuntimeError:
+NOT_FOUND: Function multiply_divide_fusion.1 not found``, jax 0.10 on CPU), and
+``lowered.compile()`` cannot tell whether it compiled or loaded. As a second guard, a program
+loaded from this cache is trusted only once its first run completes: if that run raises, its
+file and index entry are removed and the call goes to ``jax.jit`` (this also clears such files
+written by earlier versions).
 
 Where: ``$JAXDP_CACHE_DIR/programs`` (the index entries in ``…/index`` beside it) if
 ``JAXDP_CACHE_DIR`` is set, else
@@ -86,8 +98,9 @@ _SUFFIX = ".xla"
 
 # Counters for tests and benchmarks: programs loaded from disk, compiled and written, and
 # calls that went straight to jax.jit.
-stats = {"loaded": 0, "compiled": 0, "bypassed": 0, "untraced": 0}
-# ("untraced" counts the loads that skipped tracing through the index; they count as loaded too.)
+stats = {"loaded": 0, "compiled": 0, "bypassed": 0, "untraced": 0, "discarded": 0}
+# ("untraced" counts the loads that skipped tracing through the index; they count as loaded too.
+# "discarded" counts loaded programs whose first run failed: removed from disk, call sent to jax.jit.)
 
 
 def cache_dir() -> str | None:
@@ -132,6 +145,24 @@ def _machine() -> bytes:
     except OSError:
         pass
     return f"{platform.machine()}|{platform.processor()}|{flags}|{sys.version}".encode()
+
+
+def _jax_cache_on() -> bool:
+    """True where JAX's own persistent compilation cache is configured, or was set up in this process.
+
+    An executable that JAX loaded from its cache serialises to bytes that load but fail when run
+    (``NOT_FOUND: Function ... not found``, jax 0.10 on CPU), so jaxdp's cache steps aside then.
+    Any doubt (an internal name that moved) counts as on: stepping aside never changes a value.
+    """
+    try:
+        from jax._src import compilation_cache as _cc
+        from jax._src import config as _config
+
+        if _config.enable_compilation_cache.value and _config.compilation_cache_dir.value is not None:
+            return True
+        return getattr(_cc, "_cache", None) is not None  # set up earlier (a folder since unset)
+    except Exception:
+        return True
 
 
 def _environment(jax) -> bytes:
@@ -245,7 +276,7 @@ class _Persistent:
         leaves, treedef = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
         if (any(isinstance(x, jax.core.Tracer) for x in leaves) or jax.config.jax_disable_jit
                 or jax.config.jax_debug_nans or jax.config.jax_debug_infs or jax.device_count() != 1
-                or not _usable_dir(path)):
+                or _jax_cache_on() or not _usable_dir(path)):
             stats["bypassed"] += 1
             return self._jitted(*args, **kwargs)
         try:
@@ -266,47 +297,63 @@ class _Persistent:
             compiled = self._memo.get(signature)
             if compiled is not None:
                 self._memo.move_to_end(signature)
+        if compiled is not None:
+            return compiled(*dyn_args, **dyn_kwargs)
+        index = _index_key(jax, self._name, static, treedef, avals, context)
+        compiled, files = self._load_or_compile(jax, path, args, kwargs, index)
         if compiled is None:
-            index = _index_key(jax, self._name, static, treedef, avals, context)
-            compiled = self._load_or_compile(jax, path, args, kwargs, index)
-            if compiled is None:
-                stats["bypassed"] += 1
+            stats["bypassed"] += 1
+            return self._jitted(*args, **kwargs)
+        out = compiled(*dyn_args, **dyn_kwargs)
+        if files:  # loaded from disk: trusted once its first run completes
+            try:
+                jax.block_until_ready(out)
+            except Exception:  # e.g. a program serialised from an executable JAX's cache had loaded
+                stats["discarded"] += 1
+                for file in files:
+                    try:
+                        os.remove(file)
+                    except OSError:
+                        pass
                 return self._jitted(*args, **kwargs)
-            with self._lock:
-                self._memo[signature] = compiled
-                while len(self._memo) > _MEMO_SIZE:
-                    self._memo.popitem(last=False)
-        return compiled(*dyn_args, **dyn_kwargs)
+        with self._lock:
+            self._memo[signature] = compiled
+            while len(self._memo) > _MEMO_SIZE:
+                self._memo.popitem(last=False)
+        return out
 
     def _load_or_compile(self, jax, path: str, args, kwargs, index: str | None = None):
-        """The compiled program from disk, or compiled now and written; None to use jax.jit."""
+        """The compiled program and, if it was loaded from disk, the files it came from (removed
+        if its first run fails); ``(None, ())`` to use jax.jit."""
         entry = None if index is None else os.path.join(os.path.dirname(path), "index", f"{self._name}-{index[:48]}")
         if entry is not None:
-            compiled = _read_untraced(jax, entry, path)
+            compiled, file = _read_untraced(jax, entry, path)
             if compiled is not None:
                 stats["loaded"] += 1
                 stats["untraced"] += 1
-                return compiled
+                return compiled, (entry, file)
         try:
             lowered = self._jitted.lower(*args, **kwargs)
             if getattr(lowered._lowering, "const_args", None) != []:  # constants outside the module: not keyed
-                return None
+                return None, ()
             key = hashlib.sha256(_environment(jax) + b"\0" + _program(lowered)).hexdigest()
             trees = (jax.tree_util.tree_structure(lowered.args_info), lowered.out_tree)
         except Exception:
-            return None
+            return None, ()
         file = os.path.join(path, f"{self._name}-{key[:48]}{_SUFFIX}")
         compiled = _read(jax, file, *trees)
         if compiled is not None:
             stats["loaded"] += 1
+            loaded = (file,) if entry is None else (file, entry)
         else:
             compiled = lowered.compile()
             stats["compiled"] += 1
+            loaded = ()
             if not _write(file, compiled, path):
-                return compiled
+                return compiled, loaded
         if entry is not None:
             _write_entry(entry, os.path.basename(file), trees)
-        return compiled
+        return compiled, loaded
 
 
 def _checked(file: str, magic: bytes) -> bytes | None:
@@ -326,17 +373,18 @@ def _checked(file: str, magic: bytes) -> bytes | None:
 
 
 def _read_untraced(jax, entry: str, path: str):
-    """The program an index entry names, loaded without tracing; None on any doubt."""
+    """The program an index entry names, loaded without tracing, and its file; None on any doubt."""
     payload = _checked(entry, _INDEX_MAGIC)
     if payload is None:
-        return None
+        return None, None
     try:
         name, in_tree, out_tree = pickle.loads(payload)
         if os.path.basename(name) != name or not name.endswith(_SUFFIX):
-            return None
+            return None, None
     except Exception:
-        return None
-    return _read(jax, os.path.join(path, name), in_tree, out_tree)
+        return None, None
+    file = os.path.join(path, name)
+    return _read(jax, file, in_tree, out_tree), file
 
 
 def _read(jax, file: str, in_tree, out_tree):

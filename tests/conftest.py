@@ -35,6 +35,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 # Tests run only with JAXDP_SLOW=1 because a faster test covers what they check (the
 # reason follows each). Listed here, by node id prefix, to keep CI's run under 10 minutes.
 SLOW_IN_CI = {
+    # Session 13: three fresh processes (the step-aside test beside it is the fast check).
+    "tests/test_program_cache.py::test_a_loaded_program_whose_first_run_fails_is_removed",
     # Session 12. The x64-off cells of the transformation matrix cover these (the random
     # allocation and Poisson PNSGD rows); the event's row is built from random_allocation_rdp's.
     "tests/accounting/test_allocation.py::test_float64_with_x64_off",
