@@ -208,5 +208,8 @@ def _release_compiled_programs_when_memory_grows():
 
         import jax
 
+        from jaxdp import _program_cache
+
         jax.clear_caches()
+        _program_cache.clear_memory()  # the accountants' compiled programs (kept in memory, cache off too)
         gc.collect()

@@ -53,7 +53,7 @@ def test_a_second_process_loads_the_programs_and_gets_the_same_bits(tmp_path):
     second = _child(cache)
     assert second["loaded"] == 2 and second["compiled"] == 0
     off = _child("off")
-    assert off["compiled"] == off["loaded"] == 0
+    assert off["loaded"] == 0  # compiled in memory only
     for key in ("eps", "ev"):
         assert first[key] == second[key] == off[key]
 
@@ -218,7 +218,7 @@ def test_with_jax_own_persistent_cache_configured_jaxdp_steps_aside(tmp_path):
     program that fails in another process with ``NOT_FOUND: Function ... not found``)."""
     fill = _with_jax_cache(tmp_path, "fill")
     assert fill["eps"] == fill["beside"]
-    assert fill["files"] == [] and fill["compiled"] == fill["loaded"] == 0 and fill["bypassed"] > 0
+    assert fill["files"] == [] and fill["loaded"] == 0
 
 
 def test_a_loaded_program_whose_first_run_fails_is_removed(tmp_path):
@@ -229,3 +229,21 @@ def test_a_loaded_program_whose_first_run_fails_is_removed(tmp_path):
     assert fill["eps"] == write["eps"] == read["eps"]
     assert write["compiled"] == 1 and len(write["files"]) == 1
     assert read["loaded"] == 1 and read["discarded"] == 1 and read["files"] == []
+
+
+def test_compiler_options_change_no_bits_and_apply_with_the_cache_off(monkeypatch):
+    """The accountants' CPU compiler options (classic fusion emitters: faster to compile) give the
+    bits of XLA's defaults (the full comparison: benchmarks/compile_times.py --check-bits), and
+    eager calls use them with the cache off too, so no value depends on the cache."""
+    monkeypatch.setenv("JAXDP_CACHE_DIR", "off")
+    f = lambda: np.asarray(A.dpsgd_epsilon([0.001, 0.01, 0.3], [[0.7], [1.1], [4.0]], 1000, 1e-5, orders=ORDERS))  # noqa: E731
+    _fresh_memo()
+    before = _program_cache.stats["compiled"]
+    with_options = f()
+    assert _program_cache.stats["compiled"] == before + 1  # compiled by the cache's path, kept in memory
+    monkeypatch.setattr(_program_cache, "_CPU_OPTIONS", {})
+    _fresh_memo()
+    defaults = f()
+    _fresh_memo()
+    np.testing.assert_array_equal(with_options.view(np.uint64), defaults.view(np.uint64))
+    assert np.all(np.isfinite(with_options))
