@@ -15,6 +15,8 @@ and ``pnsgd_privacy`` ≤ 2 s, ``grad`` through ``calibrate_noise_multiplier`` �
 
     python benchmarks/compile_times.py                  # all cases, a table
     python benchmarks/compile_times.py --only calibrate_noise_multiplier --warm-cache
+    python benchmarks/compile_times.py --targets --repeat 3 --compare-tree /tmp/main   # alternated, CPU ratios
+    python benchmarks/compile_times.py --check-bits   # jaxdp's compiler options change no value
 """
 
 from __future__ import annotations
@@ -107,14 +109,120 @@ print(json.dumps({"import": t_import, "first": first, "first_cpu": first_cpu, "s
 """
 
 
-def _child(expr: str, cache: str) -> dict:
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# --check-bits: every public accountant (values and gradients) on small grids, with jaxdp's
+# compiler options and with XLA's defaults (argv[2] == "defaults"), value by value.
+_BITS_CHILD = r"""
+import os, sys, json
+import numpy as np
+import jax
+import jaxdp.accounting as A
+from jaxdp import _program_cache
+if sys.argv[2] == "defaults":
+    _program_cache._CPU_OPTIONS = {}
+out = {}
+def rec(name, v):
+    out[name] = np.asarray(v, dtype=np.float64).ravel()
+rec("dpsgd grid", A.dpsgd_epsilon(np.geomspace(1e-4, 0.1, 20)[:, None, None], np.linspace(0.5, 5, 10)[:, None],
+                                  np.geomspace(10, 1e5, 10), 1e-5))
+rec("dpsgd grid, delta 1e-8", A.dpsgd_epsilon(np.geomspace(1e-4, 0.1, 7)[:, None], np.linspace(0.6, 9, 9), 3000, 1e-8))
+rec("schedule", A.schedule_epsilon([0.01, 0.02], [1.1, 1.3], [500, 500], 1e-5))
+for e in (0.3, 1.0, 3.0, 8.0):
+    for q in (0.001, 0.01, 0.2):
+        rec(f"calibrate {e} {q}", A.calibrate_noise_multiplier(e, q, 1000, 1e-5).noise_multiplier)
+rec("grad calibrate", jax.grad(lambda e: A.calibrate_noise_multiplier(e, 0.01, 1000, 1e-5).noise_multiplier)(1.0))
+for n, b, p in ((1408, 64, 10), (100, 10, 1), (333, 7, 3)):
+    r = A.pnsgd_privacy(A.PNSGD(2., 1., 1., 1/16, 60., num_records=n, batch_size=b, passes=p), 1e-5)
+    for k in ("contraction", "iteration", "strongly_convex", "composition", "shifted_gdp", "best"):
+        rec(f"pnsgd {n} {k}", getattr(r, k))
+rec("pnsgd strongly convex", A.pnsgd_privacy(A.PNSGD(1., 1., 0.5, 1., 2., num_records=100, strong_convexity=0.1), 1e-6).best)
+rec("calibrate_pnsgd_noise_std", A.calibrate_pnsgd_noise_std(2.0, 1e-5, A.PNSGD(1., 1., 0.5, 1., 2., num_records=100)))
+rec("stop_pnsgd_contraction", A.stop_pnsgd_contraction_epsilon(1e-5, 10, 1., 1., 1., 80., 1., positions=10))
+rec("epsilon(event)", A.epsilon(A.dpsgd_event(0.01, 1.1, 1000), 1e-5))
+rec("epsilon(Composed)", A.epsilon(A.Composed((A.dpsgd_event(0.01, 1.1, 1000), A.SelfComposed(A.Gaussian(5.0), 10))), 1e-5))
+rec("gaussian_mechanism_epsilon", A.gaussian_mechanism_epsilon(1e-5, np.linspace(0.3, 5, 17)))
+rec("calibrate_gaussian", A.calibrate_gaussian_noise_multiplier(1.0, 1e-5))
+rec("hockey stick", A.gaussian_hockey_stick(np.linspace(0, 4, 9), 0.5))
+rec("pld", A.epsilon(A.dpsgd_event(256 / 60000, 1.1, 14040), 1e-5, accountant="pld"))
+rec("calibrate pld", A.calibrate_noise_multiplier(1.0, 256 / 60000, 14040, 1e-5, accountant="pld").noise_multiplier)
+rec("dpsbcd", A.dpsbcd_epsilon(1e-5, [0.5, 0.5, 0.5], learning_rate=0.1, sensitivity=1.0, contraction=0.5,
+                               prox_lipschitz=1.0, num_records=100, batch_size=10))
+rec("sampled_gaussian_rdp", A.sampled_gaussian_rdp(A.DEFAULT_ORDERS, 0.01, 1.1))
+rec("grad dpsgd_epsilon", jax.grad(lambda s: A.dpsgd_epsilon(0.01, s, 1000, 1e-5))(1.1))
+np.savez(sys.argv[1], **out)
+"""
+
+
+def _child(expr: str, cache: str, root: str = ROOT) -> dict:
     env = {**os.environ, "JAXDP_CACHE_DIR": cache}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                         env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", _CHILD, expr], capture_output=True, text=True, env=env)
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", _CHILD, expr], capture_output=True, text=True, env=env, cwd=root)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr.strip().splitlines()[-1])
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def check_bits() -> int:
+    """Run :data:`_BITS_CHILD` with jaxdp's compiler options and with XLA's; 0 if every bit agrees."""
+    import numpy as np
+
+    got = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in ("options", "defaults"):
+            out = os.path.join(tmp, f"{mode}.npz")
+            env = {**os.environ, "JAXDP_CACHE_DIR": "off", "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+            proc = subprocess.run([sys.executable, "-c", _BITS_CHILD, out, mode], capture_output=True, text=True,
+                                  env=env, cwd=ROOT)
+            if proc.returncode != 0:
+                print(proc.stderr.strip().splitlines()[-1])
+                return 1
+            got[mode] = dict(np.load(out))
+    a, b = got["options"], got["defaults"]
+    differ = 0
+    for name in a:
+        x, y = a[name], b[name]
+        same = (x.view(np.uint64) == y.view(np.uint64)) | (np.isnan(x) & np.isnan(y))
+        if not same.all():
+            differ += int((~same).sum())
+            print(f"{name}: {(~same).sum()} of {x.size} values differ")
+    total = sum(v.size for v in a.values())
+    print(f"check-bits: {total} values in {len(a)} groups, {differ} differ "
+          f"(compiler options {'same bits' if not differ else 'CHANGE VALUES'})")
+    return 1 if differ else 0
+
+
+_TARGETS = {"dpsgd_epsilon": 1.0, "calibrate_noise_multiplier": 2.0, "pnsgd_privacy (n=1408)": 2.0,
+            "grad through calibrate_noise_multiplier": 5.0}
+
+
+def compare(cases: dict, other: str | None, repeat: int) -> int:
+    """Each case ``repeat`` times in fresh processes, this tree and ``other`` alternated; medians."""
+    import statistics
+
+    trees = {"this": ROOT} if other is None else {"this": ROOT, "other": os.path.abspath(other)}
+    print(f"trees: {trees}; {repeat} run(s) each, alternated; load average before: "
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    for name, expr in cases.items():
+        runs = {t: [] for t in trees}
+        for _ in range(repeat):
+            for t, root in trees.items():
+                with tempfile.TemporaryDirectory() as cache:
+                    runs[t].append(_child(expr, cache, root) | {"load": os.getloadavg()[0]})
+        line = [f"{name}:"]
+        for t, rs in runs.items():
+            med = {k: statistics.median(r[k] for r in rs) for k in ("first", "first_cpu", "compile", "trace", "lower")}
+            cpus = ", ".join(f"{r['first_cpu']:.2f}" for r in rs)
+            line.append(f"{t} first {med['first']:.2f} s wall / {med['first_cpu']:.2f} s CPU (XLA {med['compile']:.2f}, "
+                        f"trace {med['trace']:.2f}, lower {med['lower']:.2f}; CPU runs {cpus}; "
+                        f"load {min(r['load'] for r in rs):.1f}-{max(r['load'] for r in rs):.1f})")
+        if other is not None:
+            ratio = statistics.median(r["first_cpu"] for r in runs["this"]) / statistics.median(
+                r["first_cpu"] for r in runs["other"])
+            line.append(f"CPU ratio this/other {ratio:.2f}")
+        print("\n  ".join(line), flush=True)
+    print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -122,10 +230,22 @@ def main(argv=None) -> int:
     p.add_argument("--only", default=None, help="run only the case with this name")
     p.add_argument("--warm-cache", action="store_true",
                    help="also time the first call of a second process on jaxdp's program cache filled by the first")
+    p.add_argument("--compare-tree", default=None, metavar="DIR",
+                   help="also run an older tree (git archive) in the same alternation, and print CPU-time ratios")
+    p.add_argument("--repeat", type=int, default=1, help="runs per case and tree, alternated (default 1)")
+    p.add_argument("--targets", action="store_true", help="run only the four cases issue 21 sets targets for")
+    p.add_argument("--check-bits", action="store_true",
+                   help="compare every public accountant's values with jaxdp's compiler options and with XLA's defaults")
     args = p.parse_args(argv)
+    if args.check_bits:
+        return check_bits()
     cases = {k: v for k, v in CASES.items() if args.only in (None, k)}
+    if args.targets:
+        cases = {k: v for k, v in cases.items() if k in _TARGETS}
     if not cases:
         p.error(f"--only: no case named {args.only!r}")
+    if args.compare_tree or args.repeat > 1:
+        return compare(cases, args.compare_tree, args.repeat)
     import platform
 
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
@@ -146,9 +266,7 @@ def main(argv=None) -> int:
         extra = f" {w['first']:>9.2f}s {w.get('untraced', 0):>10d}" if w else ""
         print(f"{name:<52} {r['import']:>5.2f}s {r['first']:>5.2f}s {r['trace']:>5.2f}s {r['lower']:>5.2f}s "
               f"{r['compile']:>5.2f}s {r['lowered'] / 1e3:>7.0f}kB {1e3 * r['steady']:>7.2f}ms {r['first_cpu']:>6.2f}s{extra}", flush=True)
-    targets = {"dpsgd_epsilon": 1.0, "calibrate_noise_multiplier": 2.0, "pnsgd_privacy (n=1408)": 2.0,
-               "grad through calibrate_noise_multiplier": 5.0}
-    for name, limit in targets.items():
+    for name, limit in _TARGETS.items():
         if name in worst:
             print(f"target: {name} first call {worst[name]:.2f} s (≤ {limit:g} s idle): "
                   f"{'met' if worst[name] <= limit else 'not met'}")

@@ -39,6 +39,8 @@ SLOW_IN_CI = {
     # the sampler's own test checks the allocation and the event, the balls-in-bins run the trainer.
     "tests/training/test_samplers.py::test_run_reaches_target_reports_its_scheme_and_resumes_bit_identically"
     "[random-allocation-2]",
+    # Session 13: three fresh processes (the step-aside test beside it is the fast check).
+    "tests/test_program_cache.py::test_a_loaded_program_whose_first_run_fails_is_removed",
     # Session 12. The x64-off cells of the transformation matrix cover these (the random
     # allocation and Poisson PNSGD rows); the event's row is built from random_allocation_rdp's.
     "tests/accounting/test_allocation.py::test_float64_with_x64_off",
@@ -213,5 +215,8 @@ def _release_compiled_programs_when_memory_grows():
 
         import jax
 
+        from jaxdp import _program_cache
+
         jax.clear_caches()
+        _program_cache.clear_memory()  # the accountants' compiled programs (kept in memory, cache off too)
         gc.collect()

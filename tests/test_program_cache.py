@@ -53,7 +53,7 @@ def test_a_second_process_loads_the_programs_and_gets_the_same_bits(tmp_path):
     second = _child(cache)
     assert second["loaded"] == 2 and second["compiled"] == 0
     off = _child("off")
-    assert off["compiled"] == off["loaded"] == 0
+    assert off["loaded"] == 0  # compiled in memory only
     for key in ("eps", "ev"):
         assert first[key] == second[key] == off[key]
 
@@ -172,3 +172,78 @@ def test_no_untraced_key_for_foreign_tree_nodes_or_addresses():
     foreign = jax.tree_util.tree_structure(((Foreign(), 1.0), {}))
     assert _program_cache._index_key(jax, "x", (), foreign, aval, context) is None
     assert _program_cache._index_key(jax, "x", ((0, object()),), own, aval, context) is None
+
+
+
+_WITH_JAX_CACHE = """
+import json, os, sys
+import jax
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+import jaxdp.accounting as A
+from jaxdp import _program_cache as pc
+
+def eps():
+    return float(A.dpsgd_epsilon(0.01, 1.1, 1000, 1e-5, orders={orders!r})).hex()
+
+out = {{}}
+if sys.argv[3] == "fill":
+    os.environ["JAXDP_CACHE_DIR"] = "off"
+    out["eps"] = eps()  # jax.jit: compiled and put in JAX's cache
+    os.environ["JAXDP_CACHE_DIR"] = sys.argv[2]
+    out["beside"] = eps()  # JAX's cache is configured: jaxdp's steps aside and writes nothing
+    out["files"] = sorted(os.listdir(sys.argv[2])) if os.path.isdir(sys.argv[2]) else []
+else:
+    os.environ["JAXDP_CACHE_DIR"] = sys.argv[2]
+    pc._jax_cache_on = lambda: False  # as if JAX's cache had gone unnoticed:
+    out["eps"] = eps()  # "write": JAX's cache serves the program, jaxdp serialises and writes it;
+    # "read": that file loads, but its first run fails: it is removed and jax.jit answers
+    out["files"] = sorted(os.listdir(os.path.join(sys.argv[2], "programs")))
+print(json.dumps({{**out, **pc.stats}}))
+""".format(orders=ORDERS)
+
+
+def _with_jax_cache(tmp_path, step: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    proc = subprocess.run([sys.executable, "-c", _WITH_JAX_CACHE, str(tmp_path / "jax"), str(tmp_path / "jaxdp"), step],
+                          capture_output=True, text=True, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_with_jax_own_persistent_cache_configured_jaxdp_steps_aside(tmp_path):
+    """JAX's persistent compilation cache on (``jax_compilation_cache_dir``): jaxdp's cache writes
+    nothing and the answer is jax.jit's (an executable JAX loaded from its cache serialises to a
+    program that fails in another process with ``NOT_FOUND: Function ... not found``)."""
+    fill = _with_jax_cache(tmp_path, "fill")
+    assert fill["eps"] == fill["beside"]
+    assert fill["files"] == [] and fill["loaded"] == 0
+
+
+def test_a_loaded_program_whose_first_run_fails_is_removed(tmp_path):
+    """Where JAX's cache goes unnoticed, the program serialised from an executable it loaded is
+    written; in a fresh process it loads, its first run fails, the file is removed and jax.jit
+    answers (three processes: in the fast suite, the step-aside test above)."""
+    fill, write, read = (_with_jax_cache(tmp_path, step) for step in ("fill", "write", "read"))
+    assert fill["eps"] == write["eps"] == read["eps"]
+    assert write["compiled"] == 1 and len(write["files"]) == 1
+    assert read["loaded"] == 1 and read["discarded"] == 1 and read["files"] == []
+
+
+def test_compiler_options_change_no_bits_and_apply_with_the_cache_off(monkeypatch):
+    """The accountants' CPU compiler options (classic fusion emitters: faster to compile) give the
+    bits of XLA's defaults (the full comparison: benchmarks/compile_times.py --check-bits), and
+    eager calls use them with the cache off too, so no value depends on the cache."""
+    monkeypatch.setenv("JAXDP_CACHE_DIR", "off")
+    f = lambda: np.asarray(A.dpsgd_epsilon([0.001, 0.01, 0.3], [[0.7], [1.1], [4.0]], 1000, 1e-5, orders=ORDERS))  # noqa: E731
+    _fresh_memo()
+    before = _program_cache.stats["compiled"]
+    with_options = f()
+    assert _program_cache.stats["compiled"] == before + 1  # compiled by the cache's path, kept in memory
+    monkeypatch.setattr(_program_cache, "_CPU_OPTIONS", {})
+    _fresh_memo()
+    defaults = f()
+    _fresh_memo()
+    np.testing.assert_array_equal(with_options.view(np.uint64), defaults.view(np.uint64))
+    assert np.all(np.isfinite(with_options))

@@ -41,7 +41,11 @@ def build_parser() -> Parser:
 _CACHE_MAX_BYTES = 512 * 2**20
 
 
-def _enable_compilation_cache() -> str | None:
+# Commands that run only the accountants: jaxdp's program cache serves them.
+_ACCOUNTANT_COMMANDS = ("epsilon", "calibrate", "pnsgd")
+
+
+def _enable_compilation_cache(command: str | None = None) -> str | None:
     """Turn on JAX's persistent compilation cache for this command; return its folder.
 
     The training step takes seconds to compile and the command runs it afresh in each
@@ -54,8 +58,12 @@ def _enable_compilation_cache() -> str | None:
     ``JAX_COMPILATION_CACHE_DIR`` is set, JAX's own setting is left alone. A folder
     that cannot be created or written is skipped silently (the command just compiles).
     Only the command does this; importing the library never changes JAX's settings.
+
+    Not for ``epsilon``, ``calibrate`` and ``pnsgd``: they run only the accountants, whose
+    programs the program cache keeps (and loads without tracing); with JAX's cache on, the
+    program cache steps aside (see :mod:`jaxdp._program_cache`).
     """
-    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    if command in _ACCOUNTANT_COMMANDS or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return None
     try:  # JAX needs it to cap the cache's size (a dependency; without it, no cache)
         import filelock  # noqa: F401
@@ -114,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_ranges(args)
     except ValueError as exc:
         return error(option_message(str(exc)))
-    _enable_compilation_cache()
+    _enable_compilation_cache(getattr(args, "command", None))
     try:
         return int(args.func(args) or 0)
     except Exception as exc:  # a full disk anywhere (also wrapped by orbax): one line naming the path, exit 1
