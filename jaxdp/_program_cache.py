@@ -30,7 +30,7 @@ Compiler options. On CPU the programs are compiled with XLA's classic fusion emi
 (``xla_cpu_use_fusion_emitters=False``, per program: JAX's settings are untouched). For these
 programs of many small scalar fusions they compile in 25-40 % less CPU time than the
 default MLIR emitters and give the same bits (every public accountant, gradients included,
-compared value by value: ``benchmarks/compile_times.py --check-bits``). So that a value never
+compared value by value: the repository's compile-time benchmark with ``--check-bits``). So that a value never
 depends on whether a disk cache is on, concrete eager calls are compiled this way with the
 cache off too (``JAXDP_CACHE_DIR=off``, JAX's cache configured, a folder that is not ours):
 the program is then kept in memory only (64 signatures per function;
@@ -164,7 +164,7 @@ def _machine() -> bytes:
 # They compile these scalar-heavy programs in 25-40 % less CPU time than the MLIR fusion
 # emitters (jax 0.10; dpsgd_epsilon 1.5 → 1.1 CPU-s, calibrate_noise_multiplier 3.5 → 2.1,
 # pnsgd_privacy 6.2 → 4.4), and give the same bits (13,414 values of every public accountant,
-# gradients included: benchmarks/compile_times.py --check-bits). An XLA that no longer knows
+# gradients included: the compile-time benchmark's --check-bits). An XLA that no longer knows
 # an option compiles without (once per process).
 _CPU_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 _options_ok = [True]
