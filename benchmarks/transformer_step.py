@@ -213,9 +213,8 @@ def memory_split(model, x, y):
     non-private step; ``clipped_grad_sum`` and SGD with the per-example norms replaced by
     constants (what keeping the output gradients for the clipped sum costs); with the norms
     (their temporaries); with the noise of :func:`jaxdp.training.dpsgd`; the whole
-    :func:`jaxdp.training.dpsgd_step` (its sampling and the overflow ``while_loop``; the loop
-    runs in one branch of a ``lax.cond`` that ends the step itself, so the common branch plans
-    no second accumulator).
+    :func:`jaxdp.training.dpsgd_step` (its sampling and the overflow ``while_loop``, which
+    rarely runs but whose accumulator carry is planned for).
     """
     import jax
     import jax.numpy as jnp
