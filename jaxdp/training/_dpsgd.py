@@ -297,16 +297,21 @@ def _drawn_after(opt_state, x):
     alive through the sum's peak: planned memory 1.30x the non-private step instead of
     1.16x on ``benchmarks/transformer_step.py``. Selecting the key's data with a predicate
     that is always false but opaque to XLA (``x != x`` and ``x == x``: NaN makes the two
-    compares unfoldable) draws the same bits after ``x`` is known. Keys of other kinds
-    (raw ``uint32`` keys) are left as they are: the values never change, only the schedule.
+    compares unfoldable) draws the same bits after ``x`` is known. Typed keys and raw
+    ``uint32[..., 2]`` keys (the two kinds :func:`add_gaussian_noise` accepts) are tied; other
+    leaves are left as they are. The values never change, only the schedule.
     """
     never = (x != x) & (x == x)
 
     def after(leaf):
-        if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        if not isinstance(leaf, jax.Array):
+            return leaf
+        if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
             data = jax.random.key_data(leaf)
             return jax.random.wrap_key_data(jnp.where(never, jnp.zeros_like(data), data),
                                             impl=jax.random.key_impl(leaf))
+        if leaf.dtype == jnp.uint32 and leaf.shape[-1:] == (2,):
+            return jnp.where(never, jnp.zeros_like(leaf), leaf)
         return leaf
 
     return jax.tree.map(after, opt_state)
