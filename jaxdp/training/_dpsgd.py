@@ -294,8 +294,8 @@ def _drawn_after(opt_state, x):
 
     The noise's random bits depend on the key alone, so XLA may schedule their generation
     (threefry) before the clipped sum and keep the bits, about twice the parameters' size,
-    alive through the sum's peak: planned memory 1.30x the non-private step instead of
-    1.16x on ``benchmarks/transformer_step.py``. Selecting the key's data with a predicate
+    alive through the sum's peak (planned memory 1.30x the non-private step instead of
+    1.16x on a small transformer encoder). Selecting the key's data with a predicate
     that is always false but opaque to XLA (``x != x`` and ``x == x``: NaN makes the two
     compares unfoldable) draws the same bits after ``x`` is known. Typed keys and raw
     ``uint32[..., 2]`` keys (the two kinds :func:`add_gaussian_noise` accepts) are tied; other
