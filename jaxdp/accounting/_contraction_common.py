@@ -70,13 +70,14 @@ def _solve_eps(log_delta_fn, params, log_target: jax.Array, eps_hi: jax.Array, s
     certified); acceptance uses the log target lowered by a relative 1e-12 against float64
     rounding in log δ, and the gradient with respect to the parameters comes from the
     implicit function theorem. ``slope_fn`` is unused (kept for callers; the derivative
-    rule linearises ``log_delta_fn`` only when differentiating).
+    rule linearises ``log_delta_fn`` only when differentiating). The bracket ends are
+    evaluated inside the search loop: one compiled copy of ``log_delta_fn``.
     """
     del slope_fn
     eps_hi = jax.lax.stop_gradient(eps_hi)
     return solve_decreasing(
         log_delta_fn, params, log_target, jnp.zeros_like(eps_hi), eps_hi, _BISECT_ITERS,
-        accept_target=_safe_target(log_target),
+        accept_target=_safe_target(log_target), ends_in_loop=True,
     )
 
 

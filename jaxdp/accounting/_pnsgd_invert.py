@@ -143,26 +143,6 @@ def _contraction_eps_grid(r_first2, rc, later, sel, log_t):
         dtail = jnp.where(has_later, k_s * d_e[..., 1], 0.0)
         return lt[..., 0] + tail, d_e[..., 0] + dtail, d_r[..., 0], jnp.where(has_later, k_s * d_r[..., 1], 0.0)
 
-    # The Hermite root can be far off where log θ bends sharply inside one cell (e.g. a
-    # large first ratio with several passes stretches the grid). Safeguarded Newton on
-    # the exact bound, kept inside the bracket [lo, hi] (h(lo) > 0 ≥ h(hi)), makes the
-    # result exact to float64 precision; a step leaving the bracket is a bisection. The
-    # extra last pass only evaluates the final candidate (one traced copy of θ for both).
-    def newton(i, state, final):
-        x, lo_x, hi_x, _ = state
-        last = i == _NEWTON_ITERS
-        x = jnp.where(last, final(x, hi_x), x)
-        v, dv, p1, pc = exact(x)
-        h = v - lt_s
-        pos_h = h > 0
-        lo_n = jnp.where(pos_h, x, lo_x)
-        hi_n = jnp.where(pos_h, hi_x, x)
-        step = jnp.where(jnp.isfinite(dv) & (dv < 0) & jnp.isfinite(h), h / jnp.where(dv < 0, dv, -1.0), jnp.nan)
-        nxt = x - step
-        inside = (nxt > lo_n) & (nxt < hi_n)
-        nxt = jnp.where(inside, nxt, 0.5 * (lo_n + hi_n))
-        return jnp.where(last, x, nxt), jnp.where(last, lo_x, lo_n), jnp.where(last, hi_x, hi_n), (v, dv, p1, pc)
-
     # Common path: the Hermite root plus a margin, certified by one exact evaluation, and
     # its Hermite slope (for the tightness test and the implicit gradient only).
     t = t_hi
@@ -170,26 +150,52 @@ def _contraction_eps_grid(r_first2, rc, later, sel, log_t):
           + (3 * t * t - 2 * t) * d1) / jnp.where(w > 0, w, 1.0)
     x0 = sg(e0 + t_hi * w)
     cand = sg(jnp.minimum(x0 + _MARGIN_REL * x0 + _MARGIN_ABS, e1))
-    v_c, _, p1, pc = exact(cand)
+    e1 = sg(e1)
+    dg_s = jnp.where(dg < 0, sg(dg), -1.0)
+    slope_ok = sg(dg) < 0
+
+    # The Hermite root can be far off where log θ bends sharply inside one cell (e.g. a
+    # large first ratio with several passes stretches the grid). Safeguarded Newton on
+    # the exact bound, kept inside the bracket [lo, hi] (h(lo) > 0 ≥ h(hi)), makes the
+    # result exact to float64 precision; a step leaving the bracket is a bisection.
+    # One loop holds the only traced copy of the exact bound: pass 0 checks the Hermite
+    # candidate and decides which positions are loose (not certified, or farther from the
+    # root than the tolerance); only if any is, passes 1.._NEWTON_ITERS polish the whole
+    # batch from the Hermite guess and the last pass evaluates the new candidate (the old
+    # one where the Hermite root was tight).
+    last_pass = _NEWTON_ITERS + 1
+
+    def body(state):
+        i, x, lo_x, hi_x, loose, _ = state
+        first, last = i == 0, i == last_pass
+        fin = jnp.where(loose, jnp.minimum(x + _MARGIN_REL * x + _MARGIN_ABS, hi_x), cand)
+        xe = jnp.where(first, cand, jnp.where(last, fin, x))
+        v, dv, p1, pc = exact(xe)
+        h = v - lt_s
+        pos_h = h > 0
+        lo_n = jnp.where(pos_h, xe, lo_x)
+        hi_n = jnp.where(pos_h, hi_x, xe)
+        step = jnp.where(jnp.isfinite(dv) & (dv < 0) & jnp.isfinite(h), h / jnp.where(dv < 0, dv, -1.0), jnp.nan)
+        nxt = xe - step
+        inside = (nxt > lo_n) & (nxt < hi_n)
+        nxt = jnp.where(inside, nxt, 0.5 * (lo_n + hi_n))
+        dist = jnp.abs((v - lt_s) / dg_s)
+        loose0 = (~at_zero) & ((~(v <= lt_s)) | ~slope_ok | ~(dist <= _TIGHT_REL * cand + _MARGIN_ABS))
+        keep = first | last
+        return (i + 1, jnp.where(first, x, jnp.where(last, xe, nxt)), jnp.where(keep, lo_x, lo_n),
+                jnp.where(keep, hi_x, hi_n), jnp.where(first, loose0, loose), (xe, v, dv, p1, pc))
+
+    def more(state):
+        i, loose = state[0], state[4]
+        return (i == 0) | ((i <= last_pass) & jnp.any(loose))
+
+    zero = jnp.zeros_like(x0)
+    n_pass, _, _, hi_n, loose, (cand, v_c, dv2, p1, pc) = jax.lax.while_loop(
+        more, body, (jnp.int32(0), x0, sg(e0), e1, jnp.zeros(x0.shape, bool), (zero,) * 5))
+    polished = n_pass > 1
     certified = v_c <= lt_s
-    # Not tight: not certified, or the Newton distance to the root exceeds the tolerance.
-    dist = jnp.abs((v_c - lt_s) / jnp.where(dg < 0, sg(dg), -1.0))
-    loose = (~at_zero) & ((~certified) | ~(dg < 0) | ~(dist <= _TIGHT_REL * cand + _MARGIN_ABS))
-
-    def polish(args):
-        # Safeguarded Newton on the exact bound from the Hermite guess, inside the cell; the
-        # last pass evaluates the new candidate (the old one where the Hermite root was tight).
-        def final(x_n, hi_n):
-            return jnp.where(loose, jnp.minimum(x_n + _MARGIN_REL * x_n + _MARGIN_ABS, hi_n), cand)
-
-        zero = jnp.zeros_like(x0)
-        c2, _, hi_n, (v2, dv2, p1_2, pc_2) = jax.lax.fori_loop(
-            0, _NEWTON_ITERS + 1, functools.partial(newton, final=final), (x0, sg(e0), sg(e1), (zero,) * 4))
-        return c2, v2, jnp.where(loose, dv2, dg), v2 <= lt_s, jnp.where(loose, hi_n, e1), p1_2, pc_2
-
-    cand, v_c, dg, certified, e1, p1, pc = jax.lax.cond(
-        jnp.any(loose), polish, lambda args: args, (cand, v_c, dg, certified, sg(e1), p1, pc)
-    )
+    dg = jnp.where(polished & loose, dv2, dg)
+    e1 = jnp.where(polished & loose, hi_n, e1)
     eps0 = sg(jnp.where(at_zero, 0.0, jnp.where(certified, cand, e1)))
     # g = log δ(cand) − log δ_t with its tangent in (r_sel, rc, log δ_t) at the candidate.
     g = v_c - log_t + (_tangent(r_sel, p1) + _tangent(jnp.broadcast_to(rc, r_sel.shape), pc))
@@ -215,31 +221,38 @@ def _gdp_eps(mu, log_t):
     mu_s = sg(mu)
     hi0 = sg(_eps_bracket(mu_s, log_t))
 
-    # The extra last pass evaluates the candidate (the iterate plus a margin, inside the
-    # bracket) and keeps the bracket's certified end: hi becomes the candidate where it is
-    # certified. One traced copy of θ serves the iterations and the check.
+    # One loop holds the only traced copy of θ. Pass 0 evaluates at ε = 0 (whether ε = 0
+    # already meets the target) and leaves the state as it is; passes 1.._GDP_NEWTON_ITERS
+    # are the Newton steps; pass _GDP_NEWTON_ITERS + 1 evaluates the candidate (the iterate
+    # plus a margin, inside the bracket) and keeps the bracket's certified end: hi becomes
+    # the candidate where it is certified; the final pass evaluates at that end ε, for the
+    # slope and μ-derivative of the implicit derivative
+    # dε = -(∂_μ log θ dμ - d log δ)/∂_ε log θ.
+    check, final = _GDP_NEWTON_ITERS + 1, _GDP_NEWTON_ITERS + 2
+
     def newton(i, state):
-        x, lo, hi = state
-        last = i == _GDP_NEWTON_ITERS
-        x = jnp.where(last, jnp.minimum(x + _MARGIN_REL * x + _MARGIN_ABS, hi), x)
-        lt, dh, _ = _theta_partials(x, mu_s)
+        x, lo, hi, at_zero, partials = state
+        first, last = i == check, i == final
+        xe = jnp.where(i == 0, 0.0, jnp.where(first, jnp.minimum(x + _MARGIN_REL * x + _MARGIN_ABS, hi),
+                                              jnp.where(last, hi, x)))
+        lt, dh, dr = _theta_partials(xe, mu_s)
         h = lt - lt_s
         above = h > 0
-        lo = jnp.where(above, x, lo)
-        hi = jnp.where(last, jnp.where(h <= 0, x, hi), jnp.where(above, hi, x))
+        lo_n = jnp.where(above, xe, lo)
+        hi_n = jnp.where(first, jnp.where(h <= 0, xe, hi), jnp.where(above, hi, xe))
         ok = jnp.isfinite(h) & jnp.isfinite(dh) & (dh < 0)
-        nxt = x - jnp.where(ok, h / jnp.where(ok, dh, -1.0), jnp.nan)
-        inside = (nxt > lo) & (nxt < hi)
-        return jnp.where(inside, nxt, 0.5 * (lo + hi)), lo, hi
+        nxt = xe - jnp.where(ok, h / jnp.where(ok, dh, -1.0), jnp.nan)
+        inside = (nxt > lo_n) & (nxt < hi_n)
+        nxt = jnp.where(inside, nxt, 0.5 * (lo_n + hi_n))
+        keep = (i == 0) | last
+        return (jnp.where(keep, x, nxt), jnp.where(keep, lo, lo_n), jnp.where(keep, hi, hi_n),
+                jnp.where(i == 0, h <= 0, at_zero), (lt, dh, dr))
 
-    _, _, eps_c = jax.lax.fori_loop(0, _GDP_NEWTON_ITERS + 1, newton, (hi0, jnp.zeros_like(hi0), hi0))
-    # One evaluation at (ε, 0): whether ε = 0 already meets the target, and the slope and
-    # μ-derivative at ε for the implicit derivative dε = -(∂_μ log θ dμ - d log δ)/∂_ε log θ.
-    lt2, d_e2, d_r2 = _theta_partials(jnp.stack([eps_c, jnp.zeros_like(eps_c)], -1), mu_s[..., None])
-    at_zero = lt2[..., 1] - lt_s <= 0
+    zero = jnp.zeros_like(hi0)
+    _, _, eps_c, at_zero, (lt_c, dg, d_r) = jax.lax.fori_loop(
+        0, final + 1, newton, (hi0, zero, hi0, jnp.zeros(hi0.shape, bool), (zero,) * 3))
     eps0 = sg(jnp.where(at_zero, 0.0, eps_c))
-    g = lt2[..., 0] - log_t + _tangent(mu, d_r2[..., 0])
-    dg = d_e2[..., 0]
+    g = lt_c - log_t + _tangent(mu, d_r)
     use = (~at_zero) & jnp.isfinite(dg) & (dg < 0) & jnp.isfinite(g)
     corr = (jnp.where(use, g, 0.0) - sg(jnp.where(use, g, 0.0))) / jnp.where(use, dg, -1.0)
     return eps0 - jnp.where(use, corr, 0.0)

@@ -384,7 +384,9 @@ def _implicit_jvp(fn, primals, tangents):
     return (x, value), (dx, jnp.broadcast_to(d_value, jnp.shape(value)).astype(jnp.result_type(value)))
 
 
-def solve_decreasing(fn: Callable, params, target, lo, hi, iterations: int, *, accept_target=None) -> jax.Array:
+def solve_decreasing(
+    fn: Callable, params, target, lo, hi, iterations: int, *, accept_target=None, ends_in_loop: bool = False
+) -> jax.Array:
     r"""Smallest x in [lo, hi] with ``fn(x, *params) ≤ target``: bisection, implicit derivative.
 
     ``fn`` must be non-increasing in x. The value is the upper end of the final bracket
@@ -402,6 +404,8 @@ def solve_decreasing(fn: Callable, params, target, lo, hi, iterations: int, *, a
       iterations: halvings (static).
       accept_target: level used to accept a point, when it differs from ``target`` (a
         safety margin below it); defaults to ``target``. The derivative uses ``target``.
+      ends_in_loop: evaluate the bracket ends inside the search loop, so that ``fn`` is
+        compiled once (see :func:`search_decreasing`; same points, same result).
 
     Returns:
       x, float array of the broadcast shape of lo and hi.
@@ -423,6 +427,6 @@ def solve_decreasing(fn: Callable, params, target, lo, hi, iterations: int, *, a
     def accept(x):
         return fn(x, *p_sg) <= t_acc, ()
 
-    res = search_decreasing(accept, lo, hi, iterations)
+    res = search_decreasing(accept, lo, hi, iterations, ends_in_loop=ends_in_loop)
     x, _ = implicit_root(fn, res.x, jnp.zeros_like(res.x), target, params, res.found & ~res.at_low, res.at_low)
     return x
