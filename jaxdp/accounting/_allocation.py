@@ -346,19 +346,45 @@ def _add_log_moment(betas: np.ndarray, t, sigma):
     [U_1, ∞): e^{-w} ≤ (m/(e w))^m per factor with E Y^{-m} = e^{m(m+1)/(2σ²)}, p = mt,
     the best of a few p > β.
     """
-    betas = np.asarray(betas, dtype=np.float64)
+    return _add_cells(np.asarray(betas, dtype=np.float64), *_add_chords(t, sigma), t, sigma)
+
+
+def _sub_cells():
+    """The static sub-cells of the u-integral: (log_nodes, ea, eb, w, mid), NF per chord."""
+    log_nodes = np.linspace(_LOG_U0, _LOG_U1, _NC + 1)
+    sub = np.linspace(0.0, 1.0, _NF + 1)
+    log_edges = log_nodes[:-1, None] + np.diff(log_nodes)[:, None] * sub[None, :]  # (NC, NF + 1)
+    ea, eb = np.exp(log_edges[:, :-1]), np.exp(log_edges[:, 1:])
+    return log_nodes, ea, eb, eb - ea, 0.5 * (ea + eb)
+
+
+def _add_chords(t, sigma):
+    """The chords of the upper bound on L(u) (order-independent): ``(lam, kappa)``, each ``(NC, 1)``."""
     log_nodes = np.linspace(_LOG_U0, _LOG_U1, _NC + 1)
     nodes = np.exp(log_nodes)
     big_l = nodes + t * _log_phi_upper_chunked(nodes / t, sigma)  # upper bounds on L at the nodes
     slope = (big_l[1:] - big_l[:-1]) / np.diff(nodes)
     lam = (1.0 - slope)[:, None]  # (NC, 1)
     kappa = (big_l[:-1] - slope * nodes[:-1])[:, None]
-    # Sub-cells (static), NF per chord.
-    sub = np.linspace(0.0, 1.0, _NF + 1)
-    log_edges = log_nodes[:-1, None] + np.diff(log_nodes)[:, None] * sub[None, :]  # (NC, NF + 1)
-    ea, eb = np.exp(log_edges[:, :-1]), np.exp(log_edges[:, 1:])
-    w = eb - ea
-    mid = 0.5 * (ea + eb)
+    return lam, kappa
+
+
+def _head_tail_log(bv, parts_cells, t, sigma):
+    """logsumexp of the cells, the head [0, U_0] and the best tail bound, minus log Γ(β)."""
+    head = bv * _LOG_U0 - jnp.log(bv)  # ∫_0^{U_0} u^{β−1} du (φ ≤ 1)
+    tails = []
+    for mult in (1.0, 2.0, 4.0, 8.0):
+        p = mult * (bv + 1.0)
+        tails.append(p * (jnp.log(p) - 1.0 - _LOG_U1) + p * (p / t + 1.0) * (0.5 / sigma**2) + bv * _LOG_U1
+                     - jnp.log(p - bv))
+    tail = functools.reduce(jnp.minimum, tails)
+    parts = jnp.concatenate([parts_cells, head[:, None], tail[:, None]], axis=-1)
+    return jax.nn.logsumexp(parts, axis=-1) - gammaln(bv)
+
+
+def _add_cells(betas: np.ndarray, lam, kappa, t, sigma):
+    """:func:`_add_log_moment` at the static ``betas`` from the chords ``(lam, kappa)``."""
+    _, ea, eb, w, mid = _sub_cells()
     # The orders are static: each is bounded by the one rule that applies to it (tangent or
     # chord), the other is not computed.
     concave = betas >= 1.0
@@ -379,16 +405,7 @@ def _add_log_moment(betas: np.ndarray, t, sigma):
     order = np.argsort(np.concatenate([np.flatnonzero(~concave), np.flatnonzero(concave)]), kind="stable")
     cells = jnp.concatenate(rows, axis=0)
     cells = cells if np.array_equal(order, np.arange(len(betas))) else take(cells, order, axis=0)
-    bv = f64(betas)
-    head = bv * _LOG_U0 - jnp.log(bv)  # ∫_0^{U_0} u^{β−1} du (φ ≤ 1)
-    tails = []
-    for mult in (1.0, 2.0, 4.0, 8.0):
-        p = mult * (bv + 1.0)
-        tails.append(p * (jnp.log(p) - 1.0 - _LOG_U1) + p * (p / t + 1.0) * (0.5 / sigma**2) + bv * _LOG_U1
-                     - jnp.log(p - bv))
-    tail = functools.reduce(jnp.minimum, tails)
-    parts = jnp.concatenate([cells, head[:, None], tail[:, None]], axis=-1)
-    return jax.nn.logsumexp(parts, axis=-1) - gammaln(bv)
+    return _head_tail_log(f64(betas), cells, t, sigma)
 
 
 # =======================================================================================
