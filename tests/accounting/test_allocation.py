@@ -216,6 +216,7 @@ def _full_list_epsilon(sig, t, passes, delta):
     return np.asarray(A.rdp_to_epsilon(curve, A.DEFAULT_ORDERS, delta).epsilon)
 
 
+@pytest.mark.slow  # the full curve's compile costs ~10 s; the Monte Carlo tests check the pruned ε in CI
 def test_pruned_epsilon_is_the_full_list_value():
     """ε evaluates the add direction at 39 of 156 orders; the minimiser is among them (shapes of test_jit_vmap_grad_agree)."""
     sig = jnp.array([0.8, 1.0, 2.0])
