@@ -592,10 +592,10 @@ def rdp_curve(event, orders: np.ndarray):
 # _PRUNE_STRIDE-th order (and the last), then at the _PRUNE_K other orders with the
 # smallest lower estimate of their ε: the exact remove direction (cheap, every order) and
 # the add direction at the coarse order below (the true D_α is non-decreasing in α).
-# 27 + 12 of dp_accounting's 156 orders. On the 218 configurations of the check in
-# tests/accounting/test_allocation.py's docstring the minimising order was always among
-# them; ε then equals the full-list value up to rounding of the same formula in another
-# compiled program (≤ 3e-14 relative, both ways, as jit against eager).
+# 27 + 12 of dp_accounting's 156 orders. On 218 configurations checked (docs/batch_schemes.md,
+# session 14) the minimising order was always among them; ε then equals the full-list
+# value up to rounding of the same formula in another compiled program (≤ 3e-14 relative,
+# both ways, as jit against eager).
 _PRUNE_STRIDE = 6
 _PRUNE_K = 12
 _PRUNE_MIN_ORDERS = 48  # fewer orders: all of them are evaluated
