@@ -211,8 +211,12 @@ def _balls_in_bins(args, rng):
     t = rng.integers(10, 2_000, n).astype(float)
     passes = rng.integers(1, 50, n).astype(float)
     eps, comp, best = _time_jaxdp(lambda a, b, c: A.balls_in_bins_event(a, b, c), (sig, t, passes), args.repeats)
+    from jaxdp.accounting import _allocation
+
+    n_orders = len(A.DEFAULT_ORDERS)
+    n_quad = len(_allocation._coarse_index(n_orders)) + _allocation._PRUNE_K
     print(f"balls-in-bins: jaxdp RDP {best / n * 1e3:.2f} ms/config over {n} random configurations (compile "
-          f"{comp:.1f} s)")
+          f"{comp:.1f} s; ε: add-direction quadrature at {n_quad} of {n_orders} orders)")
     if not args.alloc_peer_grid:
         return
     # The peer's grid, jaxdp first: one batched jit per k (k is static).

@@ -312,6 +312,9 @@ def _rdp_epsilon(event: Event, target_delta, orders: np.ndarray):
         _check_pnsgd_support(event, "event")
         eps = _pnsgd_shuffle.event_epsilon(event, target_delta, orders)
         return jnp.where(_pnsgd_step_ok(event), eps, jnp.nan)
+    curve = _allocation.pruned_curve(event, orders, target_delta)  # random allocation: fewer quadratures
+    if curve is not None:
+        return rdp_to_epsilon(curve, orders, target_delta).epsilon
     return rdp_to_epsilon(_rdp_compose(event, orders), orders, target_delta).epsilon
 
 

@@ -205,6 +205,46 @@ def test_k1_is_todays_balls_in_bins():
     assert A.RandomAllocation(10, A.Gaussian(1.0)).selected == 1
 
 
+# =======================================================================================
+# ε with the quadrature at fewer orders (_allocation.pruned_curve).
+# =======================================================================================
+
+
+def _full_list_epsilon(sig, t, passes, delta):
+    """ε from the public curve at all of dp_accounting's orders, composed and converted (no pruning)."""
+    curve = np.asarray(passes)[..., None] * np.asarray(A.random_allocation_rdp(A.DEFAULT_ORDERS, t, sig))
+    return np.asarray(A.rdp_to_epsilon(curve, A.DEFAULT_ORDERS, delta).epsilon)
+
+
+@pytest.mark.slow  # the full curve's compile costs ~10 s; the Monte Carlo tests check the pruned ε in CI
+def test_pruned_epsilon_is_the_full_list_value():
+    """ε evaluates the add direction at 39 of 156 orders; the minimiser is among them (shapes of test_jit_vmap_grad_agree)."""
+    sig = jnp.array([0.8, 1.0, 2.0])
+    t = jnp.array([10.0, 100.0, 1000.0])
+    got = np.asarray(A.epsilon(A.balls_in_bins_event(sig, t, 3), 1e-5))
+    np.testing.assert_allclose(got, _full_list_epsilon(sig, t, 3.0, 1e-5), rtol=1e-12)
+
+
+@pytest.mark.slow
+def test_pruned_epsilon_is_the_full_list_value_218_configs():
+    """200 random configurations (σ 0.4–5, t 1–5000, passes 1–2000, δ 1e-12–1e-3) and the benchmark's grid."""
+    from benchmarks.batch_schemes import _PEER_GRID
+
+    rng = np.random.default_rng(1)
+    n = 200
+    sig = np.exp(rng.uniform(math.log(0.4), math.log(5.0), n))
+    t = np.exp(rng.uniform(0.0, math.log(5000.0), n)).round()
+    e = np.exp(rng.uniform(0.0, math.log(2000.0), n)).round()
+    d = 10.0 ** rng.uniform(-12.0, -3.0, n)
+    grid = [g for g in _PEER_GRID if g[2] == 1]
+    sig = np.concatenate([sig, [g[0] for g in grid]])
+    t = np.concatenate([t, [g[1] for g in grid]])
+    e = np.concatenate([e, [g[3] for g in grid]])
+    d = np.concatenate([d, np.full(len(grid), 1e-5)])
+    got = np.asarray(jax.jit(lambda *a: A.epsilon(A.balls_in_bins_event(*a[:3]), a[3]))(sig, t, e, d))
+    np.testing.assert_allclose(got, _full_list_epsilon(sig, t, e, d), rtol=1e-12)
+
+
 @pytest.mark.slow
 def test_k_of_t_is_the_composition_of_its_blocks():
     """t = km + r: per direction, k − r epochs of 1 of m plus r of 1 of m + 1; the larger direction."""
