@@ -20,8 +20,9 @@ Upper bound (``estimate="upper"``, the default; a proof sketch, see docs/pld.md)
 2. *Plan.* A coarse pass (1,024 bins per mechanism) gives the discrete log moment
    generating function Λ(θ); the Chernoff point, a saddle-point correction and the tilted
    spread place the window around the answer, its top at the Chernoff point at
-   :math:`δ·10^{-4}`, its bottom low enough that what the circular convolution folds up is
-   below :math:`δe^{-9}`. The plan only makes the result tight, never valid.
+   :math:`δ·10^{-4}`; its width and the tilt minimise the estimated sum of the error terms
+   (the two circular folds, the round-off bound, the discretisation). The plan only makes
+   the result tight, never valid.
 3. *Tilted FFT composition.* Masses are tilted, :math:`p_i e^{λℓ_i - a}`, composed by FFT
    (powers and products of ``rfft``), untilted: :math:`r_ℓ = \tilde r_ℓ e^{Λ - λℓ}`. Mass
    folded in by the circular convolution is extra mass (δ only grows); the mass above the

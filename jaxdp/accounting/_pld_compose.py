@@ -38,10 +38,15 @@ _TINY = float(np.finfo(np.float64).tiny)
 # below (at most e^{-λW}) stays below δ·e^{-9}.
 _FOLD_LOG = 9.0
 # Extensions of the window below the answer's estimate, in units of its span (the plan).
-_EXTEND = np.concatenate([[0.0], 2.0 ** (np.arange(0, 24) / 2.0) - 0.75])
+_EXTEND = np.concatenate([[0.0], 2.0 ** (np.arange(0, 47) / 4.0) - 0.75])
+_EXTEND_ATOMS = np.concatenate([[0.0], 2.0 ** (np.arange(0, 24) / 2.0) - 0.75])  # (kinds with atoms)
 _FOLD_LOG_LOWER = 4.6
-# The plan widens the Chernoff plan's window at most this many times to keep folds negligible.
+# (Kinds with atoms) the plan widens the Chernoff plan's window at most this many times.
 _MAX_WIDEN = 4.0
+# Kinds whose plan minimises the estimated error (the round-off estimate assumes a smooth
+# composed law); for the others (atoms: Laplace, (ε, δ)) the window is the narrowest whose
+# folds are below δe^{-9} and worst-case round-off below δe^{-7} (_FOLD_LOG, the s12 plan).
+_SMOOTH = ("gaussian", "sampled_gaussian")
 
 
 class Composed(NamedTuple):
@@ -99,15 +104,28 @@ def _cut(o, t, h, n):
     return (o + i) * h
 
 
-def _plan(kinds, params, counts, direction_list, query, what, tau, n):
+def _between_rungs(thetas, *mgfs):
+    """The ladder θ with the geometric midpoints of its rungs, and each Λ there by its chord."""
+    mid = jnp.sqrt(thetas[1:] * thetas[:-1])
+    t = (mid - thetas[:-1]) / (thetas[1:] - thetas[:-1])
+    out = [jnp.stack([thetas[:-1], mid], axis=1).reshape(-1)]
+    for g in mgfs:
+        chord = jnp.where(jnp.isfinite(g[1:]) & jnp.isfinite(g[:-1]), g[:-1] + t * (g[1:] - g[:-1]),
+                          jnp.maximum(g[1:], g[:-1]))
+        out.append(jnp.stack([g[:-1], chord], axis=1).reshape(-1))
+    return tuple(jnp.concatenate([o, x[-1:]]) for o, x in zip(out, (thetas,) + mgfs))
+
+
+def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=True):
     """The grid spacing, and per direction the tilt λ and the window's top (all estimates).
 
     A coarse pass (``_COARSE`` bins per mechanism) gives the discrete log moment generating
     function Λ(θ) = Σ_c k_c log Σ_i p_{c,i} e^{θ ℓ_i} on a ladder of θ. For ε(δ) the
     Chernoff point ε_ch = min_θ (Λ(θ) - log δ)/θ and its θ are the tilt's centre; the
     answer lies a little below (saddle point, ε_ch - log(λ s √(2π))/λ, s² the tilted
-    variance); the window covers [answer - 2 s, Chernoff point at δ·η]. For δ(ε) the
-    window starts just below ε. The spacing is the larger of that span and every
+    variance); the window covers [answer - 2 s, Chernoff point at δ·η], extended downwards
+    and tilted so as to minimise the estimated error in δ (folds, round-off and
+    discretisation; see the comment at the choice). For δ(ε) the window starts just below ε. The spacing is the larger of that span and every
     mechanism's own range over n - 2 bins. Nothing here needs to be exact: the result is
     certified for any plan (see :func:`compose`); the plan only makes it tight.
     """
@@ -133,7 +151,10 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n):
     j1 = jnp.arange(n1, dtype=jnp.float64)
     thetas = f64(_THETAS) / span_s
     plans, spans, stats = {}, [], {}
-    log_m = math.log(8.0 * _U * (math.log2(n) + 2.0) * (math.sqrt(2.0 * n) + 1.0) + 4.0 * n * _U) + jnp.log1p(k_tot)
+    # (``objective=False``: the s12 plan, kept for the two-stage composition, whose block plan
+    # was tuned on it.)
+    smooth = objective and all(kd in _SMOOTH for kd in kinds)
+    log_m_worst = math.log(8.0 * _U * (math.log2(n) + 2.0) * (math.sqrt(2.0 * n) + 1.0) + 4.0 * n * _U) + jnp.log1p(k_tot)
     for d in direction_list:
         lam_mgf = jnp.zeros(thetas.shape)
         neg_mgf = jnp.zeros(thetas.shape)
@@ -159,8 +180,9 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n):
         ref = best if what == "epsilon" else query
         if what == "delta":
             log_dt = jnp.minimum(best, 0.0)
-        # Tilted variance at λ.
+        # Tilted variance at λ, and the tilted steps' 2-norms (the round-off estimate below).
         var = jnp.zeros(())
+        norm_sum, young = jnp.zeros(()), jnp.ones(())
         tilted = []
         for logp, grid, k in parts:
             a = lse(logp, lam * grid)
@@ -168,6 +190,9 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n):
             m = jnp.sum(w * grid)
             v1 = jnp.sum(w * (grid - m) ** 2)
             var = var + k * v1
+            sq = jnp.sum(w * w)
+            norm_sum = norm_sum + k * jnp.sqrt(sq)
+            young = jnp.minimum(young, sq)
             tilted.append((m, v1))
         s = jnp.sqrt(jnp.maximum(var, 0.0))
         # Top: the Chernoff point at δ·η (mass above it is certified and negligible).
@@ -179,39 +204,91 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n):
             bottom = centre - _Z_BOTTOM * s
         else:
             bottom = query - 2.0 * h1
-        # The window [top - W, top] and the tilt λ: the narrowest W of a ladder of extensions
-        # below ``bottom`` (then the smallest λ of the ladder) for which three error terms are
-        # negligible at the answer's lower estimate ε_b = bottom: mass folded down from above,
-        # e^{λW} P(L > ε_b + W) ≤ δe^{-9} (a steep tilt on a narrow window folds mass from far
-        # above onto the answer); mass folded up from below, e^{-λW} P(L < top - W) ≤ δe^{-9};
-        # and the round-off bound m, untilted over the bins above the Chernoff point, ≤ δe^{-7}.
-        base = jnp.maximum(top - bottom, h1)
-        b_c = bottom - base * f64(_EXTEND)
-        w_c = top - b_c
-        log_below = jnp.minimum(jnp.min(neg_mgf[None, :] + thetas[None, :] * b_c[:, None], axis=1), 0.0)
-        fu = log_below[:, None] - thetas[None, :] * w_c[:, None] <= log_dt - _FOLD_LOG
-        # min over θ > λ of Λ(θ) - θ ε_b - (θ - λ)W: a suffix minimum over the (increasing)
-        # ladder of Λ(θ) - θ(ε_b + W), shifted by one, plus λW.
-        b_ex = (lam_mgf - thetas * bottom)[None, :] - thetas[None, :] * w_c[:, None]  # [W, θ]
-        suffix = jax.lax.cummin(b_ex, axis=1, reverse=True)
-        after = jnp.concatenate([suffix[:, 1:], jnp.full((suffix.shape[0], 1), jnp.inf)], axis=1)
-        fd = after + thetas[None, :] * w_c[:, None] <= log_dt - _FOLD_LOG
-        h_c = jnp.maximum(span_s, w_c) / (n - 2)
-        bins = jnp.log(jnp.minimum(float(n), 1.0 + 1.0 / (thetas[None, :] * h_c[:, None])))
-        r_obj = log_m + (lam_mgf - thetas * ref)[None, :] + bins
-        rd = r_obj <= log_dt - 7.0
-        # Only windows up to _MAX_WIDEN times the Chernoff plan's (wider ones cost accuracy).
-        w_fit = top - jnp.max(jnp.where(-lam * w_c + log_below <= log_dt - _FOLD_LOG, b_c, b_c[-1]))
-        near = (w_c <= _MAX_WIDEN * jnp.maximum(w_fit, span_s))[:, None]
-        all3 = fd & fu & rd & near
-        e_idx = f64(np.arange(len(_EXTEND)))
-        e_star = jnp.min(jnp.where(jnp.any(all3, axis=1), e_idx, 1e9))
-        # Where no window and tilt of the ladder fit, the Chernoff plan: the answer's tilt and
-        # the narrowest window whose fold from below fits (what the bounds cannot certify is
-        # then only less tight, never invalid).
-        found = e_star < 1e9
-        sel = (e_idx == e_star)[:, None]
-        lam = jnp.where(found, jnp.min(jnp.where(sel & all3, thetas[None, :], jnp.inf)), lam)
+            centre = bottom
+        if smooth:
+            # The window [top - W, top] and the tilt λ: of a ladder of extensions W below
+            # ``bottom`` and the ladder of θ, the pair that minimises the estimated sum of the
+            # error terms in δ at the answer's estimate ε̂ = centre: mass folded down from
+            # above, e^{λW} P(L > ε̂ + W) (a steep tilt on a narrow window folds mass from far
+            # above onto the answer); mass folded up from below, e^{-λW} P(L < top - W); the
+            # round-off bound m, untilted over the bins above ε̂ (≈ m e^{Λ(λ) - λε̂}/(λ(λ+1)h));
+            # and the discretisation, connect-the-dots' extra loss variance Σ_c k_c h²/6 raising δ
+            # by about δ λ*²/2 times it (λ* the answer's tilt). Each term only costs tightness:
+            # folds and round-off are added to δ in compose, whatever the plan.
+            base = jnp.maximum(top - bottom, h1)
+            # θ between the ladder's rungs too (Λ convex: its chords bound it above).
+            tf, mgf_f, neg_f = _between_rungs(thetas, lam_mgf, neg_mgf)
+            b_c = bottom - base * f64(_EXTEND)
+            w_c = top - b_c
+            log_below = jnp.minimum(jnp.min(neg_f[None, :] + tf[None, :] * b_c[:, None], axis=1), 0.0)
+            log_fu = log_below[:, None] - tf[None, :] * w_c[:, None]
+            # min over θ' > θ of Λ(θ') - θ' ε̂ - (θ' - θ)W: a suffix minimum over the (increasing)
+            # ladder of Λ(θ') - θ'(ε̂ + W), shifted by one, plus θW.
+            b_ex = (mgf_f - tf * centre)[None, :] - tf[None, :] * w_c[:, None]  # [W, θ]
+            suffix = jax.lax.cummin(b_ex, axis=1, reverse=True)
+            after = jnp.concatenate([suffix[:, 1:], jnp.full((suffix.shape[0], 1), jnp.inf)], axis=1)
+            log_fd = jnp.minimum(after + tf[None, :] * w_c[:, None], 0.0)
+            h_c = jnp.maximum(span_s, w_c) / (n - 2)
+            bins = jnp.log(jnp.minimum(float(n), 1.0 + 1.0 / (tf[None, :] * h_c[:, None])))
+            # The round-off bound m of tilted_fft, estimated: 8u(log₂n + 2)(1 + Σ_c k_c‖p̃_c‖₂)
+            # (‖Ĉ‖₂ + 1) + 4nu, the steps' norms from the coarse pass (at least the fine grid's),
+            # ‖Ĉ‖₂² ≈ 2n‖C‖₂², ‖C‖₂² ≤ min_c ‖p̃_c‖₂² (Young) and about h/(2√π s) for a smooth
+            # composed law of spread s (Gaussian and Poisson-sampled Gaussian compositions).
+            c2 = jnp.minimum(young, jnp.maximum(h_c / (2.0 * math.sqrt(math.pi) * jnp.maximum(s, _TINY)),
+                                                young / k_tot))
+            log_m = jnp.log(8.0 * _U * (math.log2(n) + 2.0) * (1.0 + norm_sum) * (jnp.sqrt(2.0 * n * c2) + 1.0)
+                            + 4.0 * n * _U)
+            log_rd = log_m[:, None] + (mgf_f - tf * centre - jnp.log1p(tf))[None, :] + bins
+            k_disc = sum(ks)
+            log_disc = log_dt + jnp.log(lam * lam * k_disc / 12.0 + _TINY) + 2.0 * jnp.log(h_c)
+            terms = jnp.stack([log_fu, log_fd, log_rd, jnp.broadcast_to(log_disc[:, None], log_fu.shape)])
+            total = lse(jnp.moveaxis(terms, 0, -1), 0.0)
+            total = jnp.where(jnp.all(jnp.isfinite(terms) | (terms == -jnp.inf), axis=0), total, jnp.inf)
+            e_idx = f64(np.arange(len(_EXTEND)))
+            # (No argmin: its variadic reduction breaks reverse mode outside the float64 scope.)
+            least = jnp.min(total)
+            hit = total <= least
+            e_star = jnp.min(jnp.where(jnp.any(hit, axis=1), e_idx, 1e9))
+            # Where every estimate is +inf or NaN, the Chernoff plan: the answer's tilt and the
+            # narrowest window whose fold from below fits (only less tight, never invalid).
+            w_fit = top - jnp.max(jnp.where(-lam * w_c + log_below <= log_dt - _FOLD_LOG, b_c, b_c[-1]))
+            found = jnp.isfinite(least)
+            sel = (e_idx == e_star)[:, None]
+            lam = jnp.where(found, jnp.min(jnp.where(sel & hit, tf[None, :], jnp.inf)), lam)
+        else:  # kinds with atoms (Laplace, (ε, δ)): the s12 plan, unchanged
+            # The window [top - W, top] and the tilt λ: the narrowest W of a ladder of extensions
+            # below ``bottom`` (then the smallest λ of the ladder) for which three error terms are
+            # negligible at the answer's lower estimate ε_b = bottom: mass folded down from above,
+            # e^{λW} P(L > ε_b + W) ≤ δe^{-9} (a steep tilt on a narrow window folds mass from far
+            # above onto the answer); mass folded up from below, e^{-λW} P(L < top - W) ≤ δe^{-9};
+            # and the round-off bound m, untilted over the bins above the Chernoff point, ≤ δe^{-7}.
+            base = jnp.maximum(top - bottom, h1)
+            b_c = bottom - base * f64(_EXTEND_ATOMS)
+            w_c = top - b_c
+            log_below = jnp.minimum(jnp.min(neg_mgf[None, :] + thetas[None, :] * b_c[:, None], axis=1), 0.0)
+            fu = log_below[:, None] - thetas[None, :] * w_c[:, None] <= log_dt - _FOLD_LOG
+            # min over θ > λ of Λ(θ) - θ ε_b - (θ - λ)W: a suffix minimum over the (increasing)
+            # ladder of Λ(θ) - θ(ε_b + W), shifted by one, plus λW.
+            b_ex = (lam_mgf - thetas * bottom)[None, :] - thetas[None, :] * w_c[:, None]  # [W, θ]
+            suffix = jax.lax.cummin(b_ex, axis=1, reverse=True)
+            after = jnp.concatenate([suffix[:, 1:], jnp.full((suffix.shape[0], 1), jnp.inf)], axis=1)
+            fd = after + thetas[None, :] * w_c[:, None] <= log_dt - _FOLD_LOG
+            h_c = jnp.maximum(span_s, w_c) / (n - 2)
+            bins = jnp.log(jnp.minimum(float(n), 1.0 + 1.0 / (thetas[None, :] * h_c[:, None])))
+            r_obj = log_m_worst + (lam_mgf - thetas * ref)[None, :] + bins
+            rd = r_obj <= log_dt - 7.0
+            # Only windows up to _MAX_WIDEN times the Chernoff plan's (wider ones cost accuracy).
+            w_fit = top - jnp.max(jnp.where(-lam * w_c + log_below <= log_dt - _FOLD_LOG, b_c, b_c[-1]))
+            near = (w_c <= _MAX_WIDEN * jnp.maximum(w_fit, span_s))[:, None]
+            all3 = fd & fu & rd & near
+            e_idx = f64(np.arange(len(_EXTEND_ATOMS)))
+            e_star = jnp.min(jnp.where(jnp.any(all3, axis=1), e_idx, 1e9))
+            # Where no window and tilt of the ladder fit, the Chernoff plan: the answer's tilt and
+            # the narrowest window whose fold from below fits (what the bounds cannot certify is
+            # then only less tight, never invalid).
+            found = e_star < 1e9
+            sel = (e_idx == e_star)[:, None]
+            lam = jnp.where(found, jnp.min(jnp.where(sel & all3, thetas[None, :], jnp.inf)), lam)
         plans[d] = (lam, top, bottom, log_dt, th_top)
         spans.append(jnp.where(found, jnp.sum(jnp.where(sel[:, 0], w_c, 0.0)), w_fit))
         # Per mechanism, for the two-stage composition's block windows (_pld_stages.py):
@@ -243,9 +320,10 @@ def compose(kinds, params, counts, n, tau, estimate, query, what, stages=1):
     the window's bottom), so it does not count.
     """
     dirs = directions(kinds)
-    span_s, span_c, plans, z, stats, thetas_plan = _plan(kinds, params, counts, dirs, query, what, tau, n)
-    span_s, span_c = jax.lax.stop_gradient((span_s, span_c))
     two_stage = estimate == "upper" and stages == 2
+    span_s, span_c, plans, z, stats, thetas_plan = _plan(kinds, params, counts, dirs, query, what, tau, n,
+                                                         not two_stage)
+    span_s, span_c = jax.lax.stop_gradient((span_s, span_c))
     if two_stage:  # the spacing h2 of stage 2 and each block's window (_pld_stages.block_plan)
         ranges = {d: [jax.lax.stop_gradient(_single_range(kd, p_, d, z)) for kd, p_ in zip(kinds, params)]
                   for d in dirs}

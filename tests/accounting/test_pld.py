@@ -121,6 +121,55 @@ def test_dpsgd_against_dp_accounting_small_grid():
     _check_against_dp_accounting(q, sigma, steps, delta)
 
 
+# Issue 27's five DP-SGD configurations (benchmarks/pld.py's table), δ = 1e-5, and
+# dp_accounting 0.6.0's pessimistic PLD at value step 1e-5 (minutes to compute, so stored;
+# its own error there is about 1e-5 relative). The default upper bound's distance to it, as
+# docs/pld.md reports: within 2e-4 on rows 1, 3, 4; +3.6e-4 and +5.8e-4 on rows 2, 5 (a
+# guard against regressions, not the issue's target).
+ISSUE27_ROWS = [(256 / 60000, 1.1, 14063, 2.381691, 2e-4), (0.001, 0.8, 1000, 0.303554, 4e-4),
+                (0.1, 2.0, 100, 2.337400, 2e-4), (0.01, 1.0, 10000, 6.187713, 2e-4),
+                (0.001, 1.0, 10000, 0.475764, 6.5e-4)]
+
+
+@pytest.mark.slow
+def test_default_upper_bound_against_dp_accounting_on_issue27_rows():
+    q, s, t, ref, tol = (np.array(x, dtype=float) for x in zip(*ISSUE27_ROWS))
+    ours = np.asarray(A.pld_epsilon(A.dpsgd_event(q, s, t), 1e-5))
+    rel = ours / ref - 1.0
+    assert np.all(rel >= -1e-4) and np.all(rel <= tol), rel
+
+
+# The quoted figures that the s13 plan moved down (README's MNIST ε, docs/reference.md and
+# docs/pld.md's 14,063-step row, docs/pld.md's table, docs/reference.md's audit row,
+# docs/batch_schemes.md's Poisson ε at δ = 1e-6), each against an independent floor:
+# dp_accounting 0.6.0's optimistic PLD, ``from_gaussian_mechanism(σ, sampling_prob=q,
+# pessimistic_estimate=False, use_connect_dots=False, value_discretization_interval=1e-5)
+# .self_compose(steps).get_epsilon_for_delta(δ)`` (1e-6 for the first two rows: 152 and 163 s; the others
+# 5-21 s each, so stored), rounded down at the sixth decimal. It rounds every loss down, so it
+# is below the true ε by up to steps × the value step on long runs. jaxdp's value must never
+# fall below it (its values in the comment: s13 plan, and s12's before it).
+QUOTED_FLOORS = [
+    (256 / 60000, 1.1, 14040, 1e-5, 2.372534),  # README: 2.3799 (2.3807)
+    (256 / 60000, 1.1, 14063, 1e-5, 2.374658),  # reference.md, pld.md: 2.38207 (2.38288)
+    (0.001, 0.8, 1000, 1e-5, 0.298553),  # pld.md row 2: 0.303664 (0.303682)
+    (0.1, 2.0, 100, 1e-5, 2.336899),  # pld.md row 3: 2.337419 (2.337425)
+    (0.01, 1.0, 10000, 1e-5, 6.137712),  # row 4: 6.188510 (6.190119)
+    (0.001, 1.0, 10000, 1e-5, 0.425762),  # row 5: 0.476041 (0.477534)
+    (0.5, 1.0, 4, 1e-5, 6.676941),  # reference.md's audit table: 6.677002 (6.677034)
+    (1e-3, 0.5543549, 1000, 1e-6, 2.919576),  # batch_schemes.md: 2.924870 (2.925086)
+    (1e-3, 0.8785934, 1000, 1e-6, 0.286634),  # batch_schemes.md: 0.291996 (0.486748)
+    (1e-3, 1.0243647, 1000, 1e-6, 0.169567),  # batch_schemes.md: 0.174808 (0.192906)
+]
+
+
+@pytest.mark.slow
+def test_quoted_figures_above_dp_accountings_optimistic_estimate():
+    q, s, t, d, floor = (np.array(x, dtype=float) for x in zip(*QUOTED_FLOORS))
+    with jax.enable_x64(True):
+        ours = np.asarray(A.epsilon(A.dpsgd_event(q, s, t), d, accountant="pld", fallback="none"))
+    assert np.all(ours >= floor), (ours, floor)
+
+
 @pytest.mark.slow
 def test_dpsgd_against_dp_accounting_large_grid():
     _check_against_dp_accounting(*_held_out(40, seed=11))
@@ -149,7 +198,7 @@ def test_event_accountant_and_heterogeneous_composition():
     assert e > float(A.pld_epsilon(A.dpsgd_event(0.01, 1.0, 1000), 1e-5))
 
 
-def test_jit_vmap_grad():
+def test_jit_vmap_grad(monkeypatch):
     # (The calibration, slow, is also covered by the transformation matrix's value checks.)
     f = lambda s: A.pld_epsilon(A.dpsgd_event(0.01, s, 1000), 1e-5, grid_size=SMALL)  # noqa: E731
     xs = jnp.array([1.3, 1.6])
@@ -158,9 +207,24 @@ def test_jit_vmap_grad():
     np.testing.assert_allclose(np.asarray(jax.vmap(jax.jit(f))(xs)), eager, rtol=RTOL_FORMS)
     g = float(jax.grad(jax.jit(f))(1.3))
     h = 1e-5
-    fd = (float(f(1.3 + h)) - float(f(1.3 - h))) / (2 * h)
-    # The grid spacing moves with σ, so ε is smooth only up to O(h²)-size steps: 1e-3.
-    assert g < 0 and abs(g - fd) <= 1e-3 * abs(fd), (g, fd)
+    moving = (float(f(1.3 + h)) - float(f(1.3 - h))) / (2 * h)
+    # The derivative is that of the fixed-plan bound (docs/pld.md, "Derivatives"): the grid
+    # plan (spacing, window, tilt, each mechanism's range) is held at σ = 1.3's, as a user
+    # optimising through it gets. Against central differences of that function: 1e-6. The
+    # plan itself moves with σ (the spacing h by O(h²)-size steps in ε), so the difference
+    # quotient of the public function is 0.7 % away at this grid (2^12), not 1e-3.
+    from jaxdp.accounting import _pld, _pld_compose
+
+    p0 = (jnp.float64(0.01), jnp.float64(1.3))
+    plan, single_range = _pld_compose._plan, _pld_compose._single_range
+    monkeypatch.setattr(_pld_compose, "_plan", lambda kinds, params, *a: plan(kinds, [p0], *a))
+    monkeypatch.setattr(_pld_compose, "_single_range", lambda kind, params, *a: single_range(kind, p0, *a))
+    fixed = jax.jit(lambda s: _pld._one_value(("sampled_gaussian",), (3,), SMALL, A.PLD_TAIL_BOUND, "upper",
+                                              "epsilon", p0[0], s, jnp.float64(1000.0), jnp.float64(1e-5)))
+    assert float(fixed(1.3)) == pytest.approx(eager[0], rel=1e-12)
+    fd = (float(fixed(1.3 + h)) - float(fixed(1.3 - h))) / (2 * h)
+    assert g < 0 and abs(g - fd) <= 1e-6 * abs(fd), (g, fd)
+    assert abs(g - moving) <= 2e-2 * abs(moving), (g, moving)
 
 
 def test_x64_off_vmap_jit_and_grad_jit():
