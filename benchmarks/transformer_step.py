@@ -213,8 +213,9 @@ def memory_split(model, x, y):
     non-private step; ``clipped_grad_sum`` and SGD with the per-example norms replaced by
     constants (what keeping the output gradients for the clipped sum costs); with the norms
     (their temporaries); with the noise of :func:`jaxdp.training.dpsgd`; the whole
-    :func:`jaxdp.training.dpsgd_step` (its sampling and the overflow ``while_loop``, which
-    rarely runs but whose accumulator carry is planned for).
+    :func:`jaxdp.training.dpsgd_step` (its sampling and the overflow ``while_loop``; it ties the
+    noise's keys to the clipped sum, so the threefry bits are drawn after the sum instead of
+    being held through its peak, which the line with the noise alone still shows).
     """
     import jax
     import jax.numpy as jnp

@@ -284,6 +284,34 @@ def dpsgd_step(loss_fn, graphdef, rest, tx: optax.GradientTransformation, params
         first = jax.lax.scan(lambda c, _: (body(c), None), (jnp.zeros((), jnp.int32), zero,
                              jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)), None, length=fixed)[0]
     _, grad_sum, maxn, clipped = jax.lax.while_loop(lambda c: c[0] < chunks, body, first)
-    updates, opt_state = tx.update(grad_sum, opt_state, params)
+    updates, opt_state = tx.update(grad_sum, _drawn_after(opt_state, maxn), params)
     params = optax.apply_updates(params, updates)
     return params, opt_state, DPSGDStepOutput(size, maxn, chunks, clipped)
+
+
+def _drawn_after(opt_state, x):
+    """``opt_state`` with the same values, its PRNG keys made to depend on ``x``.
+
+    The noise's random bits depend on the key alone, so XLA may schedule their generation
+    (threefry) before the clipped sum and keep the bits, about twice the parameters' size,
+    alive through the sum's peak (planned memory 1.30x the non-private step instead of
+    1.16x on a small transformer encoder). Selecting the key's data with a predicate
+    that is always false but opaque to XLA (``x != x`` and ``x == x``: NaN makes the two
+    compares unfoldable) draws the same bits after ``x`` is known. Typed keys and raw
+    ``uint32[..., 2]`` keys (the two kinds :func:`add_gaussian_noise` accepts) are tied; other
+    leaves are left as they are. The values never change, only the schedule.
+    """
+    never = (x != x) & (x == x)
+
+    def after(leaf):
+        if not isinstance(leaf, jax.Array):
+            return leaf
+        if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            data = jax.random.key_data(leaf)
+            return jax.random.wrap_key_data(jnp.where(never, jnp.zeros_like(data), data),
+                                            impl=jax.random.key_impl(leaf))
+        if leaf.dtype == jnp.uint32 and leaf.shape[-1:] == (2,):
+            return jnp.where(never, jnp.zeros_like(leaf), leaf)
+        return leaf
+
+    return jax.tree.map(after, opt_state)

@@ -135,3 +135,20 @@ def test_realised_rate_never_exceeds_the_accounted_q():
         expected = np.flatnonzero(bits < t)
         assert int(size) == expected.size
         np.testing.assert_array_equal(np.asarray(idx)[: int(size)], expected)
+
+
+def test_noise_keys_tied_to_the_sum_keep_their_values():
+    """dpsgd_step ties the noise's keys to the clipped sum (only to order the draw after it):
+    the keys' data and every other state leaf come back unchanged, for a finite or NaN sum."""
+    from jaxdp.training._dpsgd import _drawn_after
+
+    for key in (jax.random.key(3), jax.random.PRNGKey(3)):  # typed and raw uint32 keys
+        tx = dpsgd(optax.adam(0.1), 1.1, 0.7, 8.0, key)
+        state = tx.update(jnp.ones(3), tx.init(jnp.zeros(3)), jnp.zeros(3))[1]
+        for x in (0.5, float("nan"), float("inf")):
+            out = jax.jit(_drawn_after)(state, jnp.float32(x))
+            for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(out), strict=True):
+                if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+                    a, b = jax.random.key_data(a), jax.random.key_data(b)
+                assert a.dtype == b.dtype
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
