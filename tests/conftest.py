@@ -30,12 +30,7 @@ os.environ.setdefault("JAXDP_CACHE_DIR", "off")
 # Compile with XLA's backend optimisation off: the suite's time is mostly compilation of
 # small programs (measured: tests/accounting/test_events.py 88 s -> 69 s), and the tests
 # check values with tolerances that hold for either level. Set XLA_FLAGS to override.
-# Session 14: XLA's classic CPU fusion emitters too, for every program (the accountants' own
-# programs already compile with them, jaxdp/_program_cache.py; the tests' jit/vmap/grad of an
-# accountant and the training steps did not): measured 55.2 -> 36.2 CPU-s (-34 %) on 38 tests of
-# test_allocation.py and test_dpsgd_accumulation.py, alternated at load ~20. The default Poisson
-# run's pinned hash is the same under both flag sets (test_samplers.MAIN_POISSON_HASH).
-os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
+os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 
 # Tests run only with JAXDP_SLOW=1 because a faster test covers what they check (the
 # reason follows each). Listed here, by node id prefix, to keep CI's run under 10 minutes.
