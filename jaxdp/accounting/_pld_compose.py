@@ -41,12 +41,15 @@ _FOLD_LOG = 9.0
 _EXTEND = np.concatenate([[0.0], 2.0 ** (np.arange(0, 47) / 4.0) - 0.75])
 _EXTEND_ATOMS = np.concatenate([[0.0], 2.0 ** (np.arange(0, 24) / 2.0) - 0.75])  # (kinds with atoms)
 _FOLD_LOG_LOWER = 4.6
-# (Kinds with atoms) the plan widens the Chernoff plan's window at most this many times.
+# (The s12 plan) it widens the Chernoff plan's window at most this many times.
 _MAX_WIDEN = 4.0
 # Kinds whose plan minimises the estimated error (the round-off estimate assumes a smooth
 # composed law); for the others (atoms: Laplace, (ε, δ)) the window is the narrowest whose
 # folds are below δe^{-9} and worst-case round-off below δe^{-7} (_FOLD_LOG, the s12 plan).
 _SMOOTH = ("gaussian", "sampled_gaussian")
+# (Smooth kinds) the error-minimising plan is used where the estimated round-off bound per bin
+# is below δe^{_ROUND_LOG}; elsewhere (for ε(δ)) the s12 plan (see _plan).
+_ROUND_LOG = 3.0
 
 
 class Composed(NamedTuple):
@@ -205,6 +208,7 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
         else:
             bottom = query - 2.0 * h1
             centre = bottom
+        lam0 = lam
         if smooth:
             # The window [top - W, top] and the tilt λ: of a ladder of extensions W below
             # ``bottom`` and the ladder of θ, the pair that minimises the estimated sum of the
@@ -240,7 +244,7 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
                             + 4.0 * n * _U)
             log_rd = log_m[:, None] + (mgf_f - tf * centre - jnp.log1p(tf))[None, :] + bins
             k_disc = sum(ks)
-            log_disc = log_dt + jnp.log(lam * lam * k_disc / 12.0 + _TINY) + 2.0 * jnp.log(h_c)
+            log_disc = log_dt + jnp.log(lam0 * lam0 * k_disc / 12.0 + _TINY) + 2.0 * jnp.log(h_c)
             terms = jnp.stack([log_fu, log_fd, log_rd, jnp.broadcast_to(log_disc[:, None], log_fu.shape)])
             total = lse(jnp.moveaxis(terms, 0, -1), 0.0)
             total = jnp.where(jnp.all(jnp.isfinite(terms) | (terms == -jnp.inf), axis=0), total, jnp.inf)
@@ -251,46 +255,64 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
             e_star = jnp.min(jnp.where(jnp.any(hit, axis=1), e_idx, 1e9))
             # Where every estimate is +inf or NaN, the Chernoff plan: the answer's tilt and the
             # narrowest window whose fold from below fits (only less tight, never invalid).
-            w_fit = top - jnp.max(jnp.where(-lam * w_c + log_below <= log_dt - _FOLD_LOG, b_c, b_c[-1]))
+            w_fit = top - jnp.max(jnp.where(-lam0 * w_c + log_below <= log_dt - _FOLD_LOG, b_c, b_c[-1]))
             found = jnp.isfinite(least)
             sel = (e_idx == e_star)[:, None]
-            lam = jnp.where(found, jnp.min(jnp.where(sel & hit, tf[None, :], jnp.inf)), lam)
-        else:  # kinds with atoms (Laplace, (ε, δ)): the s12 plan, unchanged
-            # The window [top - W, top] and the tilt λ: the narrowest W of a ladder of extensions
-            # below ``bottom`` (then the smallest λ of the ladder) for which three error terms are
-            # negligible at the answer's lower estimate ε_b = bottom: mass folded down from above,
-            # e^{λW} P(L > ε_b + W) ≤ δe^{-9} (a steep tilt on a narrow window folds mass from far
-            # above onto the answer); mass folded up from below, e^{-λW} P(L < top - W) ≤ δe^{-9};
-            # and the round-off bound m, untilted over the bins above the Chernoff point, ≤ δe^{-7}.
-            base = jnp.maximum(top - bottom, h1)
-            b_c = bottom - base * f64(_EXTEND_ATOMS)
-            w_c = top - b_c
-            log_below = jnp.minimum(jnp.min(neg_mgf[None, :] + thetas[None, :] * b_c[:, None], axis=1), 0.0)
-            fu = log_below[:, None] - thetas[None, :] * w_c[:, None] <= log_dt - _FOLD_LOG
-            # min over θ > λ of Λ(θ) - θ ε_b - (θ - λ)W: a suffix minimum over the (increasing)
-            # ladder of Λ(θ) - θ(ε_b + W), shifted by one, plus λW.
-            b_ex = (lam_mgf - thetas * bottom)[None, :] - thetas[None, :] * w_c[:, None]  # [W, θ]
-            suffix = jax.lax.cummin(b_ex, axis=1, reverse=True)
-            after = jnp.concatenate([suffix[:, 1:], jnp.full((suffix.shape[0], 1), jnp.inf)], axis=1)
-            fd = after + thetas[None, :] * w_c[:, None] <= log_dt - _FOLD_LOG
-            h_c = jnp.maximum(span_s, w_c) / (n - 2)
-            bins = jnp.log(jnp.minimum(float(n), 1.0 + 1.0 / (thetas[None, :] * h_c[:, None])))
-            r_obj = log_m_worst + (lam_mgf - thetas * ref)[None, :] + bins
-            rd = r_obj <= log_dt - 7.0
-            # Only windows up to _MAX_WIDEN times the Chernoff plan's (wider ones cost accuracy).
-            w_fit = top - jnp.max(jnp.where(-lam * w_c + log_below <= log_dt - _FOLD_LOG, b_c, b_c[-1]))
-            near = (w_c <= _MAX_WIDEN * jnp.maximum(w_fit, span_s))[:, None]
-            all3 = fd & fu & rd & near
-            e_idx = f64(np.arange(len(_EXTEND_ATOMS)))
-            e_star = jnp.min(jnp.where(jnp.any(all3, axis=1), e_idx, 1e9))
-            # Where no window and tilt of the ladder fit, the Chernoff plan: the answer's tilt and
-            # the narrowest window whose fold from below fits (what the bounds cannot certify is
-            # then only less tight, never invalid).
-            found = e_star < 1e9
-            sel = (e_idx == e_star)[:, None]
-            lam = jnp.where(found, jnp.min(jnp.where(sel & all3, thetas[None, :], jnp.inf)), lam)
+            lam_new = jnp.where(found, jnp.min(jnp.where(sel & hit, tf[None, :], jnp.inf)), lam0)
+            span_new = jnp.where(found, jnp.sum(jnp.where(sel[:, 0], w_c, 0.0)), w_fit)
+        # The s12 plan (kinds with atoms: Laplace, (ε, δ); and, for smooth kinds, where
+        # round-off dominates, see below).
+        # The window [top - W, top] and the tilt λ: the narrowest W of a ladder of extensions
+        # below ``bottom`` (then the smallest λ of the ladder) for which three error terms are
+        # negligible at the answer's lower estimate ε_b = bottom: mass folded down from above,
+        # e^{λW} P(L > ε_b + W) ≤ δe^{-9} (a steep tilt on a narrow window folds mass from far
+        # above onto the answer); mass folded up from below, e^{-λW} P(L < top - W) ≤ δe^{-9};
+        # and the round-off bound m, untilted over the bins above the Chernoff point, ≤ δe^{-7}.
+        base = jnp.maximum(top - bottom, h1)
+        b_c = bottom - base * f64(_EXTEND_ATOMS)
+        w_c = top - b_c
+        log_below = jnp.minimum(jnp.min(neg_mgf[None, :] + thetas[None, :] * b_c[:, None], axis=1), 0.0)
+        fu = log_below[:, None] - thetas[None, :] * w_c[:, None] <= log_dt - _FOLD_LOG
+        # min over θ > λ of Λ(θ) - θ ε_b - (θ - λ)W: a suffix minimum over the (increasing)
+        # ladder of Λ(θ) - θ(ε_b + W), shifted by one, plus λW.
+        b_ex = (lam_mgf - thetas * bottom)[None, :] - thetas[None, :] * w_c[:, None]  # [W, θ]
+        suffix = jax.lax.cummin(b_ex, axis=1, reverse=True)
+        after = jnp.concatenate([suffix[:, 1:], jnp.full((suffix.shape[0], 1), jnp.inf)], axis=1)
+        fd = after + thetas[None, :] * w_c[:, None] <= log_dt - _FOLD_LOG
+        h_c = jnp.maximum(span_s, w_c) / (n - 2)
+        bins = jnp.log(jnp.minimum(float(n), 1.0 + 1.0 / (thetas[None, :] * h_c[:, None])))
+        r_obj = log_m_worst + (lam_mgf - thetas * ref)[None, :] + bins
+        rd = r_obj <= log_dt - 7.0
+        # Only windows up to _MAX_WIDEN times the Chernoff plan's (wider ones cost accuracy).
+        w_fit = top - jnp.max(jnp.where(-lam0 * w_c + log_below <= log_dt - _FOLD_LOG, b_c, b_c[-1]))
+        near = (w_c <= _MAX_WIDEN * jnp.maximum(w_fit, span_s))[:, None]
+        all3 = fd & fu & rd & near
+        e_idx = f64(np.arange(len(_EXTEND_ATOMS)))
+        e_star = jnp.min(jnp.where(jnp.any(all3, axis=1), e_idx, 1e9))
+        # Where no window and tilt of the ladder fit, the Chernoff plan: the answer's tilt and
+        # the narrowest window whose fold from below fits (what the bounds cannot certify is
+        # then only less tight, never invalid).
+        found = e_star < 1e9
+        sel = (e_idx == e_star)[:, None]
+        lam_old = jnp.where(found, jnp.min(jnp.where(sel & all3, thetas[None, :], jnp.inf)), lam0)
+        span_old = jnp.where(found, jnp.sum(jnp.where(sel[:, 0], w_c, 0.0)), w_fit)
+        if smooth:
+            # The s12 plan where the estimates above cannot be trusted: where the estimated
+            # round-off bound per bin m (least over the windows) exceeds δe^{_ROUND_LOG} (small
+            # δ, e.g. 1e-12 at 2^14 bins: round-off then sets the answer, and at small q the
+            # saddle-point estimate ε̂ that the objective is evaluated at lies far above it,
+            # q = 1e-5, σ = 0.8, 100 steps: ε̂ = 0.61, answer 0.16). There the s12 plan's steeper
+            # Chernoff tilt is tighter (on 90 small-δ configurations the default was up to 1.65×
+            # the s12 plan's ε without this switch, now at most 1.03×). Decided from the coarse
+            # pass (no second FFT); any plan is certified (see compose).
+            # (ε(δ) only: for δ(ε) the estimate log δ can be far below the answer's δ.)
+            use_new = (jnp.min(log_m) <= log_dt + _ROUND_LOG) | (what != "epsilon")
+            lam = jnp.where(use_new, lam_new, lam_old)
+            span_d = jnp.where(use_new, span_new, span_old)
+        else:
+            lam, span_d = lam_old, span_old
         plans[d] = (lam, top, bottom, log_dt, th_top)
-        spans.append(jnp.where(found, jnp.sum(jnp.where(sel[:, 0], w_c, 0.0)), w_fit))
+        spans.append(span_d)
         # Per mechanism, for the two-stage composition's block windows (_pld_stages.py):
         # its own discrete log-MGF on the ladder (±θ) and its mean and variance tilted by λ.
         stats[d] = [(pos_c, neg_c, m_t, v_t, logp, grid)
