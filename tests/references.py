@@ -200,3 +200,86 @@ def allocation_renyi_t2(alpha: float, sigma: float, direction: str, dps: int = 3
         val = mp.quad(f, pts)
         log_m = -g / (2 * s**2) + g**2 / (4 * s**2) + mp.log(val)
         return float(log_m / (a - 1))
+
+
+def sgm_pld_epsilon_lower(q: float, sigma: float, steps: int, delta: float, *, step: float = 1e-6,
+                          window: tuple[float, float] = (-0.05, 9.0), tilt_at: float | None = None) -> float:
+    r"""A lower bound on ε(δ) of ``steps`` Poisson-sampled Gaussians (remove direction), in NumPy.
+
+    Independent of jaxdp and of dp_accounting. Each step's privacy loss
+    ℓ(x) = log(1 − q + q e^{(2x−1)/(2σ²)}), x ~ (1−q)N(0, σ²) + qN(1, σ²), is rounded *down* to
+    the grid ``step``·ℤ (bin masses from normal CDFs in log space); the sum of ``steps`` such
+    losses is composed by binary powering with zero-padded FFT convolutions of the
+    exponentially tilted masses (tilt λ with steps·E_λ[ℓ] = ``tilt_at``, so that the region
+    that sets ε(δ) carries relative, not absolute, round-off), dropping mass outside
+    ``window``. Rounding down and dropping mass only lower δ(ε) = E[(1 − e^{ε−L})₊], so the ε
+    solved from it is below the true one (up to FFT round-off relative to the tilted mass).
+    Matches dp_accounting's optimistic PLD to 2e-10 at q = 0.01, σ = 1, 1,000 steps, δ = 1e-5.
+    """
+    import numpy as np
+    from scipy.optimize import brentq
+    from scipy.special import log_ndtr
+
+    lo, hi = window
+    h = step
+
+    def logmass(a, b, mu):  # log P(a <= X < b) for X ~ N(mu, sigma^2), stable in both tails
+        za, zb = (a - mu) / sigma, (b - mu) / sigma
+        la = np.where(za > 0, log_ndtr(-za), log_ndtr(zb))
+        lb = np.where(za > 0, log_ndtr(-zb), log_ndtr(za))
+        with np.errstate(invalid="ignore"):
+            out = la + np.log1p(-np.exp(np.minimum(lb - la, -1e-300)))
+        return np.where(np.isfinite(out), out, -np.inf)
+
+    k = np.arange(int(np.floor(np.log1p(-q) / h)) - 1, int(hi / h) + 2)
+    edges = np.append(k, k[-1] + 1) * h
+    v = (np.exp(edges) - (1 - q)) / q  # x(l): inverse of the increasing loss
+    with np.errstate(divide="ignore", invalid="ignore"):
+        xe = np.where(v > 0, sigma**2 * np.log(np.where(v > 0, v, 1.0)) + 0.5, -np.inf)
+        lm = np.logaddexp(np.log1p(-q) + logmass(xe[:-1], xe[1:], 0.0), np.log(q) + logmass(xe[:-1], xe[1:], 1.0))
+    lm = np.where(np.isfinite(lm), lm, -np.inf)
+    lv = k * h
+
+    def log_mgf(lam):
+        a = lm + lam * lv
+        m = a.max()
+        return m + np.log(np.exp(a - m).sum())
+
+    def tilted_mean(lam):
+        a = lm + lam * lv
+        w = np.exp(a - a.max())
+        return (w * lv).sum() / w.sum()
+
+    target = tilt_at if tilt_at is not None else 0.5 * hi
+    lam = brentq(lambda x: steps * tilted_mean(x) - target, 0.0, 500.0)
+    kmin, kmax = int(lo / h), int(hi / h)
+
+    def trunc(off, arr):
+        s, e = max(off, kmin), min(off + len(arr) - 1, kmax)
+        return s, arr[s - off: e - off + 1]
+
+    def conv(o1, x, o2, y):
+        n = len(x) + len(y) - 1
+        size = 1 << (n - 1).bit_length()
+        z = np.fft.irfft(np.fft.rfft(x, size) * np.fft.rfft(y, size), size)[:n]
+        return trunc(o1 + o2, np.maximum(z, 0.0))
+
+    base, acc, n = trunc(int(k[0]), np.exp(lm + lam * lv - log_mgf(lam))), None, steps
+    while n:
+        if n & 1:
+            acc = base if acc is None else conv(*acc, *base)
+        n >>= 1
+        if n:
+            base = conv(*base, *base)
+    off, pt = acc
+    total = (off + np.arange(len(pt))) * h
+    with np.errstate(divide="ignore"):
+        logp = np.log(pt) + steps * log_mgf(lam) - lam * total
+
+    def delta_of(eps):
+        m = total > eps
+        return np.sum(np.exp(logp[m]) * -np.expm1(eps - total[m]))
+
+    if delta_of(0.0) <= delta:
+        return 0.0
+    return float(brentq(lambda e: np.log(delta_of(e)) - math.log(delta), 0.0, hi - 1e-9))

@@ -170,6 +170,21 @@ def test_quoted_figures_above_dp_accountings_optimistic_estimate():
     assert np.all(ours >= floor), (ours, floor)
 
 
+# δ = 1e-12 at σ = 0.5, where dp_accounting's optimistic PLD is no floor (it exceeds its own
+# pessimistic one): tests/references.py's tilted NumPy composition of rounded-down losses
+# (grid 1e-6; lower than the truth by at most steps × 1e-6) as the independent floor.
+@pytest.mark.slow
+@pytest.mark.parametrize("q, steps, window, tilt", [(1e-4, 100, (-0.01, 8.0), 5.07), (1e-3, 100, (-0.1, 11.0), 8.1),
+                                                    (1e-4, 10000, (-0.05, 8.0), 6.45)])
+def test_small_delta_above_independent_tilted_floor(q, steps, window, tilt):
+    from tests.references import sgm_pld_epsilon_lower
+
+    floor = sgm_pld_epsilon_lower(q, 0.5, steps, 1e-12, window=window, tilt_at=tilt)
+    with jax.enable_x64(True):
+        ours = float(A.pld_epsilon(A.dpsgd_event(q, 0.5, steps), 1e-12))
+    assert ours >= floor, (ours, floor)  # measured floors 5.07010, 8.14738, 6.40790
+
+
 @pytest.mark.slow
 def test_dpsgd_against_dp_accounting_large_grid():
     _check_against_dp_accounting(*_held_out(40, seed=11))
