@@ -60,6 +60,7 @@ from jax.scipy.special import gammaln, ndtr
 
 from .. import _validate
 from .._numerics import f64, float64, take
+from ._conversion import improved_per_order
 from ._events import Event, Gaussian, SelfComposed, _event, _is_structural, register_event_type, relation_of
 
 __all__ = ["RandomAllocation", "balls_in_bins_event", "random_allocation_event", "random_allocation_rdp",
@@ -605,16 +606,9 @@ def _coarse_index(n: int) -> np.ndarray:
     return np.unique(np.concatenate([np.arange(0, n, _PRUNE_STRIDE), [n - 1]]))
 
 
-def _eps_per_order(r, orders, delta):
-    """The improved RDP → (ε, δ) conversion per order (as :func:`rdp_to_epsilon`, without the min)."""
-    formula = r + jnp.log1p(-1.0 / orders) - jnp.log(delta * orders) / (orders - 1.0)
-    formula = jnp.where(orders > 1.01, formula, jnp.inf)
-    return jnp.where(delta**2 + jnp.expm1(-r) > 0, 0.0, formula)
-
-
 def _pruned_one(orders_np, t, sigma, n, delta):
     """One epoch's curve (k = 1, both directions) with the quadrature at the coarse orders and
-    at the orders between the coarse neighbours of the best coarse order, +inf at the rest."""
+    at the :data:`_PRUNE_K` others of smallest lower estimate of ε, +inf at the rest."""
     orders = f64(orders_np)
     betas = orders - 1.0
     rem = _alloc_dirs(orders_np, t, sigma, "remove")[0]
@@ -628,13 +622,13 @@ def _pruned_one(orders_np, t, sigma, n, delta):
 
     coarse = _coarse_index(len(orders_np))
     add_c = add_at(jnp.asarray(coarse))
-    eps_c = _eps_per_order(n * jnp.maximum(rem[coarse], add_c), orders[coarse], delta)
+    eps_c = improved_per_order(n * jnp.maximum(rem[coarse], add_c), orders[coarse], delta)
     eps_c = jax.lax.stop_gradient(jnp.where(jnp.isnan(eps_c), jnp.inf, eps_c))
     # Lower estimate of the curve at the other orders: the exact remove direction and the add
     # direction at the coarse order just below (D_α is non-decreasing in α).
     below = np.searchsorted(coarse, np.arange(len(orders_np)), side="right") - 1
     lower = jnp.maximum(rem, add_c[below])
-    eps_low = _eps_per_order(n * lower, orders, delta)
+    eps_low = improved_per_order(n * lower, orders, delta)
     eps_low = jnp.where(jnp.isnan(eps_low), -jnp.inf, eps_low).at[coarse].set(jnp.inf)
     pick = jax.lax.top_k(-jax.lax.stop_gradient(eps_low), _PRUNE_K)[1]
     add = jnp.full(orders.shape, jnp.inf).at[coarse].set(add_c).at[pick].set(add_at(pick))

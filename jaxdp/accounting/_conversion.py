@@ -99,13 +99,18 @@ def _rdp_to_epsilon_jit(method, rdp, orders, delta):
     if method == "classic":
         eps = r - jnp.log(d) / (orders - 1.0)
     else:
-        formula = r + jnp.log1p(-1.0 / orders) - jnp.log(d * orders) / (orders - 1.0)
-        formula = jnp.where(orders > _IMPROVED_MIN_ORDER, formula, jnp.inf)
-        eps = jnp.where(d**2 + jnp.expm1(-r) > 0, 0.0, formula)
+        eps = improved_per_order(r, orders, d)
     best, order = _min_and_order(eps, orders)
     best = jnp.maximum(best, 0.0)
     best = jnp.where(jnp.any(bad, axis=-1), jnp.nan, best)
     return EpsilonResult(best, order)
+
+
+def improved_per_order(r, orders, delta):
+    """The improved conversion's ε at each order (before the min; r ≥ 0, δ valid): +inf at α ≤ 1.01."""
+    formula = r + jnp.log1p(-1.0 / orders) - jnp.log(delta * orders) / (orders - 1.0)
+    formula = jnp.where(orders > _IMPROVED_MIN_ORDER, formula, jnp.inf)
+    return jnp.where(delta**2 + jnp.expm1(-r) > 0, 0.0, formula)
 
 
 def _min_and_order(values, orders):
