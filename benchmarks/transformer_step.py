@@ -206,8 +206,11 @@ def work_split(model, x, y):
           f"GFLOP, {1e3 * t:.1f} ms wall, {1e3 * c:.1f} ms CPU", flush=True)
 
 
-def memory_split(model, x, y):
+def memory_split(model, x, y, timing=None):
     """XLA's planned memory of the DP-SGD step built up part by part, against the non-private step (MB).
+
+    With ``timing=(repeats, inner)`` the same compiled parts are timed instead (wall ms per
+    step): where a GPU spends the DP step's extra time.
 
     Each figure is one compiled function (planned temporaries + arguments + outputs): the
     non-private step; ``clipped_grad_sum`` and SGD with the per-example norms replaced by
@@ -247,7 +250,8 @@ def memory_split(model, x, y):
         return dpsgd_step(loss, graphdef, rest, tx, p, s, k, x, y, 1.0, 1.0, b)[:2]
 
     def planned(f, *args):  # a fresh function object each time: no tracing cache shared between variants
-        return _planned_mb(jax.jit(lambda *a: f(*a)).lower(*args).compile())
+        compiled = jax.jit(lambda *a: f(*a)).lower(*args).compile()
+        return _planned_mb(compiled) if timing is None else 1e3 * _time(compiled, args, *timing)[0]
 
     base = planned(nonprivate, params)
     full = planned(clipped_sgd, params), planned(clipped_noise, params, opt), planned(step, params, opt,
@@ -264,10 +268,11 @@ def memory_split(model, x, y):
     parts = [("non-private step", base), ("clipped sum + SGD, norms replaced by constants", no_norms),
              ("clipped sum + SGD", full[0]), ("clipped sum + noise + SGD", full[1]),
              ("dpsgd_step (sampling, overflow loop)", full[2])]
-    print(f"  planned memory at batch {b}, built up (MB; each line adds a part of the DP-SGD step):", flush=True)
+    what, unit = ("planned memory", "MB") if timing is None else ("wall time per step", "ms")
+    print(f"  {what} at batch {b}, built up ({unit}; each line adds a part of the DP-SGD step):", flush=True)
     last = base
     for name, mb in parts:
-        print(f"    {name:<48s} {mb:8.1f} MB ({mb / base:.2f}x; {mb - last:+.1f})", flush=True)
+        print(f"    {name:<48s} {mb:8.2f} {unit} ({mb / base:.2f}x; {mb - last:+.2f})", flush=True)
         last = mb
 
 
@@ -344,6 +349,8 @@ from torch import nn
 from opacus import PrivacyEngine
 layers, width, heads, seq, vocab, batches, micro, repeats, inner = json.loads(sys.argv[1])
 torch.manual_seed(0)
+dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # torch's default: full float32 matmuls
+sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
 class Attention(nn.Module):
     def __init__(s):
@@ -371,16 +378,18 @@ class Encoder(nn.Module):
         s.blocks = nn.Sequential(*[Block() for _ in range(layers)])
         s.norm, s.head = nn.LayerNorm(width), nn.Linear(width, 2)
     def forward(s, ids):
-        h = s.tok(ids) + s.pos(torch.arange(ids.shape[1]).expand_as(ids).contiguous())
+        h = s.tok(ids) + s.pos(torch.arange(ids.shape[1], device=ids.device).expand_as(ids).contiguous())
         return s.head(s.norm(s.blocks(h)).mean(1))
 
 rng = np.random.default_rng(0)
-ids = torch.from_numpy(rng.integers(0, vocab, (max(batches), seq)))
-y = torch.from_numpy(rng.integers(0, 2, max(batches)))
+ids = torch.from_numpy(rng.integers(0, vocab, (max(batches), seq))).to(dev)
+y = torch.from_numpy(rng.integers(0, 2, max(batches))).to(dev)
 rows = []
 for b in batches:
     m = min(micro, b)
-    model = Encoder()
+    model = Encoder().to(dev)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     dl = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids[:m], y[:m]), batch_size=m)
     with warnings.catch_warnings():
@@ -398,15 +407,18 @@ for b in batches:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         step()
+        sync()
         ts, cs = [], []
         for _ in range(repeats):
             t, c = time.perf_counter(), time.process_time()
             for _ in range(inner):
                 step()
+            sync()
             ts.append((time.perf_counter() - t) / inner)
             cs.append((time.process_time() - c) / inner)
     rows.append({"batch": b, "micro": m, "contender": "opacus ghost", "ms": 1e3 * statistics.median(ts),
-                 "cpu_ms": 1e3 * statistics.median(cs), "planned_mb": float("nan"), "device_peak_mb": float("nan")})
+                 "cpu_ms": 1e3 * statistics.median(cs), "planned_mb": float("nan"),
+                 "device_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if dev.type == "cuda" else float("nan")})
 print(json.dumps(rows))
 '''
 
@@ -488,6 +500,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-opacus", action="store_true", help="skip Opacus")
     ap.add_argument("--work", action="store_true", help="also print XLA's flops of the gradient, the clipped sum "
                                                           "and its norms at the first batch size")
+    ap.add_argument("--time-split", action="store_true", help="also time the same parts as --memory-split "
+                    "(wall ms per step at the first batch size)")
     ap.add_argument("--memory-split", action="store_true", help="also print XLA's planned memory of the DP-SGD "
                                                                   "step built up part by part at the first batch size")
     ap.add_argument("--compare-tree", default=None, metavar="DIR",
@@ -545,12 +559,13 @@ def main(argv=None) -> int:
         rng = np.random.default_rng(0)
         work_split(build(*size), jnp.asarray(rng.integers(0, vocab, (batches[0], seq)), jnp.int32),
                    jnp.asarray(rng.integers(0, 2, batches[0]), jnp.int32))
-    if args.memory_split:
-        import jax.numpy as jnp
+    for on, timing in ((args.memory_split, None), (args.time_split, (repeats, max(inner, 5)))):
+        if on:
+            import jax.numpy as jnp
 
-        rng = np.random.default_rng(0)
-        memory_split(build(*size), jnp.asarray(rng.integers(0, vocab, (batches[0], seq)), jnp.int32),
-                     jnp.asarray(rng.integers(0, 2, batches[0]), jnp.int32))
+            rng = np.random.default_rng(0)
+            memory_split(build(*size), jnp.asarray(rng.integers(0, vocab, (batches[0], seq)), jnp.int32),
+                         jnp.asarray(rng.integers(0, 2, batches[0]), jnp.int32), timing)
     precisions = (args.precisions or ("default,float32" if which == "gpu" else "default")).split(",")
     rows = []
     for i, precision in enumerate(precisions):
@@ -563,7 +578,7 @@ def main(argv=None) -> int:
     python = None if args.no_opacus else _torch_python(args.torch_python)
     if args.no_opacus:
         print("  opacus: skipped (--no-opacus)")
-    elif python is not None and jax.default_backend() == "cpu":
+    elif python is not None:  # on a GPU, torch's own (CUDA) device; torch's default: full float32 matmuls
         rows += [{**r, "precision": "torch"} for r in bench_opacus(size, batches, micro, repeats, inner, python)]
     elif python is None:
         print("  opacus: torch/opacus not importable: skipped")
