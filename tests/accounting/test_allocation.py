@@ -222,7 +222,14 @@ def test_pruned_epsilon_is_the_full_list_value():
     sig = jnp.array([0.8, 1.0, 2.0])
     t = jnp.array([10.0, 100.0, 1000.0])
     got = np.asarray(A.epsilon(A.balls_in_bins_event(sig, t, 3), 1e-5))
-    np.testing.assert_allclose(got, _full_list_epsilon(sig, t, 3.0, 1e-5), rtol=1e-12)
+    _assert_pruned_close(got, _full_list_epsilon(sig, t, 3.0, 1e-5))
+
+
+def _assert_pruned_close(got, full):
+    """ε's pruned path against the full list: never below but for rounding (1e-12), above by ≤ 1e-8 relative
+    (its chords come from the φ bound at 177 of the 385 u-nodes: certified, a little looser)."""
+    rel = got / full - 1.0
+    assert np.all(np.isfinite(got)) and rel.min() >= -1e-12 and rel.max() <= 1e-8, (rel.min(), rel.max())
 
 
 @pytest.mark.slow
@@ -242,7 +249,7 @@ def test_pruned_epsilon_is_the_full_list_value_218_configs():
     e = np.concatenate([e, [g[3] for g in grid]])
     d = np.concatenate([d, np.full(len(grid), 1e-5)])
     got = np.asarray(jax.jit(lambda *a: A.epsilon(A.balls_in_bins_event(*a[:3]), a[3]))(sig, t, e, d))
-    np.testing.assert_allclose(got, _full_list_epsilon(sig, t, e, d), rtol=1e-12)
+    _assert_pruned_close(got, _full_list_epsilon(sig, t, e, d))
 
 
 @pytest.mark.slow
