@@ -183,9 +183,15 @@ def calibrate_noise_multiplier(
 
     Derivatives (``jax.grad``, ``jax.jvp``) of σ with respect to the target, q, num_steps and δ
     come from the implicit function theorem on ε(σ*) = target:
-    :math:`dσ^* = (d\,\text{target} - ∂_{q,T,δ}ε\cdot d(q,T,δ))/∂_σ ε`, and the returned ε
-    moves with the target. Where the target does not bind (σ at a bound, or +inf) σ is
-    locally constant.
+    :math:`dσ^* = (d\,\text{target} - ∂_{q,T,δ}ε\cdot d(q,T,δ))/∂_σ ε`, with the slopes of ε
+    taken at the returned σ, and the returned ε moves with the target. This is the derivative
+    of the exact threshold; the returned σ is the accepted (upper, conservative) end of the
+    search's final bracket, within 2e-10 relative of it. Where the target does not bind (σ
+    at a bound, or +inf) σ is locally constant; where it binds but :math:`∂_σ ε` is 0 or not
+    finite, the derivative is NaN. Differentiating never traces the search: the rule runs
+    the calibration's own program and one forward-derivative program of ε at σ (both cached
+    compiled programs when ``jax.grad`` is called eagerly), and a second derivative (x64 on)
+    differentiates that rule again.
 
     Args:
       target_epsilon: ε target > 0.
