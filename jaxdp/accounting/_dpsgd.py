@@ -309,9 +309,13 @@ def _calibrated_jvp(orders, method, lo_s, hi_s, iterations, primals, tangents):
     return (sigma, eps, at_low), (*out_tangents, jnp.zeros_like(at_low))
 
 
-@functools.partial(jax.jit, inline=True)
+@jax.jit
 def _apply_jacobian(jac, *tangents):
-    """(dσ, dε) = J · d(target, q, T, δ), J of shape (..., 2, 4)."""
+    """(dσ, dε) = J · d(target, q, T, δ), J of shape (..., 2, 4).
+
+    A jit of its own (not inlined): reverse mode transposes it into one small compiled
+    program instead of a dozen eager operations, each compiled on its own in a fresh process.
+    """
     t = jnp.stack(jnp.broadcast_arrays(*tangents), axis=-1)[..., None, :]
     d = jnp.sum(jac * t, axis=-1)
     return d[..., 0], d[..., 1]
