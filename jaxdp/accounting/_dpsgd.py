@@ -85,8 +85,7 @@ def _dpsgd_epsilon_jit(orders_key, method, q, sigma, steps, delta):
     # a first call compiles once instead of dispatching dozens of separately compiled ops.
     # Inside a caller's jit/vmap/grad this inner jit is inlined.
     q, sigma, steps, delta = jnp.broadcast_arrays(q, sigma, steps, delta)
-    rdp = heterogeneous_rdp(orders_key, q[..., None], sigma[..., None], steps[..., None])
-    return rdp_to_epsilon(rdp, orders_key, delta, method=method).epsilon
+    return _epsilon_of(orders_key, method, sigma, q, steps, delta)
 
 
 @float64
@@ -184,9 +183,15 @@ def calibrate_noise_multiplier(
 
     Derivatives (``jax.grad``, ``jax.jvp``) of σ with respect to the target, q, num_steps and δ
     come from the implicit function theorem on ε(σ*) = target:
-    :math:`dσ^* = (d\,\text{target} - ∂_{q,T,δ}ε\cdot d(q,T,δ))/∂_σ ε`, and the returned ε
-    moves with the target. Where the target does not bind (σ at a bound, or +inf) σ is
-    locally constant.
+    :math:`dσ^* = (d\,\text{target} - ∂_{q,T,δ}ε\cdot d(q,T,δ))/∂_σ ε`, with the slopes of ε
+    taken at the returned σ, and the returned ε moves with the target. This is the derivative
+    of the exact threshold; the returned σ is the accepted (upper, conservative) end of the
+    search's final bracket, within 2e-10 relative of it. Where the target does not bind (σ
+    at a bound, or +inf) σ is locally constant; where it binds but :math:`∂_σ ε` is 0 or not
+    finite, the derivative is NaN. Differentiating never traces the search: the rule runs
+    the calibration's own program and one forward-derivative program of ε at σ (both cached
+    compiled programs when ``jax.grad`` is called eagerly), and a second derivative (x64 on)
+    differentiates that rule again.
 
     Args:
       target_epsilon: ε target > 0.
@@ -239,8 +244,7 @@ def calibrate_noise_multiplier(
     orders = tuple(float(a) for a in _validate.concrete_orders(orders))
     target, q, steps, delta = (f64(x) for x in (target_epsilon, q, num_steps, delta))
     target, q, steps, delta = jnp.broadcast_arrays(target, q, steps, delta)
-    return _calibrate_core(target, q, steps, delta, orders=orders, method=method, lo_s=float(lo_s),
-                           hi_s=float(hi_s), iterations=int(solver_iterations))
+    return _calibrate(target, q, steps, delta, orders, method, float(lo_s), float(hi_s), int(solver_iterations))
 
 
 # Jitted once per static configuration: called eagerly, a while_loop over a fresh closure
@@ -252,23 +256,34 @@ def _calibrate_core(target, q, steps, delta, orders, method, lo_s, hi_s, iterati
     # Harmless stand-ins where invalid, so the search stays finite (result masked to NaN).
     target_s = jnp.where(valid, target, 1.0)
     q_s, steps_s, delta_s = (jnp.where(valid, x, 0.5) for x in (q, steps, delta))
-    sigma, eps, flags = _calibrated(target_s, q_s, steps_s, delta_s, orders, method, lo_s, hi_s, iterations)
-    found, at_low = flags[..., 0] > 0, flags[..., 1] > 0
+    res = _search(target_s, q_s, steps_s, delta_s, orders, method, lo_s, hi_s, iterations)
+    # σ the search evaluated (same exp of the same x), ε the value computed there.
+    sigma, eps, found, at_low = jnp.exp(res.x), res.value, res.found, res.at_low
     eps = jnp.where(found, eps, jnp.inf)
     return CalibrationResult(jnp.where(valid, sigma, jnp.nan), jnp.where(valid, eps, jnp.nan), valid & at_low)
 
 
+def _calibrate(target, q, steps, delta, orders, method, lo_s, hi_s, iterations):
+    """The calibration's result; concrete calls go straight to the cached program, traced ones
+    through :func:`_calibrated` (whose rule gives the derivatives)."""
+    args = (target, q, steps, delta)
+    static = (orders, method, lo_s, hi_s, iterations)
+    if not any(isinstance(x, jax.core.Tracer) for x in args):
+        return _calibrate_core(*args, orders=orders, method=method, lo_s=lo_s, hi_s=hi_s, iterations=iterations)
+    sigma, eps, at_low = _calibrated(*args, *static)
+    return CalibrationResult(sigma, eps, at_low > 0)
+
+
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6, 7, 8))
 def _calibrated(target, q, steps, delta, orders, method, lo_s, hi_s, iterations):
-    """σ*, ε(σ*) and (found, at_low) as 0/1 of the certified search (values; see the rule below)."""
-    res = _search(target, q, steps, delta, orders, method, lo_s, hi_s, iterations)
-    # σ the search evaluated (same exp of the same x). The flags are floats with a zero
-    # tangent: boolean outputs of a custom_jvp (float0 tangents) fail to transpose.
-    return jnp.exp(res.x), res.value, _flags(res)
+    """σ*, ε(σ*) and ``at_lower_bound`` as 0/1 (values; the derivatives are the rule below).
 
-
-def _flags(res):
-    return jnp.stack([res.found, res.at_low], axis=-1).astype(res.x.dtype)
+    The flag is a float with a zero tangent: boolean outputs of a custom_jvp (float0
+    tangents) fail to transpose.
+    """
+    res = _calibrate_core(target, q, steps, delta, orders=orders, method=method, lo_s=lo_s, hi_s=hi_s,
+                          iterations=iterations)
+    return res.noise_multiplier, res.epsilon, res.at_lower_bound.astype(res.epsilon.dtype)
 
 
 @_calibrated.defjvp
@@ -277,27 +292,73 @@ def _calibrated_jvp(orders, method, lo_s, hi_s, iterations, primals, tangents):
 
     On ε(σ*, q, T, δ) = target: :math:`dσ^* = (d\,\text{target} - ∂_{q,T,δ}ε\cdot d(q,T,δ))/∂_σ ε`,
     and ε moves with the target. Where σ* is the lower bound (``at_low``) σ is constant
-    and ε moves with the parameters; where nothing was found nothing moves. The partial
-    slopes of ε at σ* come from the search itself: in this rule (traced only when
-    differentiating) each step evaluates the accountant with its forward derivative in
-    the four unit directions (one batched ``jax.jvp``) and keeps the accepted point's, so
-    the derivative program holds one copy of the accountant, in the loop, and reverse
-    mode transposes only the expression above (never the accountant's derivative).
+    and ε moves with the parameters; where nothing was found nothing moves; where the
+    target binds but :math:`∂_σ ε` is zero or not finite the derivative is NaN (the
+    implicit function theorem does not apply).
+
+    The primal is the calibration's own (cached, compiled) program, called through
+    :func:`_calibrated` so that a second derivative re-enters this rule; the slopes of ε at
+    σ* are one small forward-derivative program of the accountant
+    (:func:`_calibration_jacobian`), so differentiating never traces the search. Called
+    eagerly (``jax.grad`` of an eager function), both programs run with concrete values
+    through jaxdp's program cache; only the 2×4 linear map below is staged and transposed.
     """
-    target, q, steps, delta = primals
-    d_target, d_q, d_steps, d_delta = tangents
-    res = _search(target, q, steps, delta, orders, method, lo_s, hi_s, iterations, slopes=True)
-    eps, slope = res.value
-    slope = jnp.where(res.found[..., None], slope, 0.0)  # +inf where nothing was accepted (0·inf in reverse mode)
-    binds = res.found & ~res.at_low
-    fixed = res.at_low
-    df_dp = slope[..., 1] * d_q + slope[..., 2] * d_steps + slope[..., 3] * d_delta
+    sigma, eps, at_low = _calibrated(*primals, orders, method, lo_s, hi_s, iterations)
+    jac = _calibration_jacobian(orders, method, sigma, eps, at_low, *primals)
+    out_tangents = _apply_jacobian(jac, *tangents)
+    return (sigma, eps, at_low), (*out_tangents, jnp.zeros_like(at_low))
+
+
+@jax.jit
+def _apply_jacobian(jac, *tangents):
+    """(dσ, dε) = J · d(target, q, T, δ), J of shape (..., 2, 4).
+
+    A jit of its own (not inlined): reverse mode transposes it into one small compiled
+    program instead of a dozen eager operations, each compiled on its own in a fresh process.
+    """
+    t = jnp.stack(jnp.broadcast_arrays(*tangents), axis=-1)[..., None, :]
+    d = jnp.sum(jac * t, axis=-1)
+    return d[..., 0], d[..., 1]
+
+
+def _epsilon_of(orders, method, sigma, q, steps, delta):
+    """ε of DP-SGD at (q, σ, T, δ) by the exact RDP (the accountant the search accepts with)."""
+    rdp = heterogeneous_rdp(orders, q[..., None], sigma[..., None], steps[..., None])
+    return rdp_to_epsilon(rdp, orders, delta, method=method).epsilon
+
+
+@persistent("calibration_jacobian", static_argnums=(0, 1))
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _calibration_jacobian(orders, method, sigma, eps, at_low, target, q, steps, delta):
+    r"""J = ∂(σ*, ε*)/∂(target, q, T, δ), shape (..., 2, 4), from the slopes of ε at σ*.
+
+    The slopes :math:`∂ε/∂(σ, q, T, δ)` are one forward derivative of the accountant
+    batched over the four unit directions. Rows: :math:`dσ^* = (d\,\text{target} -
+    ∂_{q,T,δ}ε\cdot d(q,T,δ))/∂_σ ε` and :math:`dε^* = d\,\text{target}` where the target
+    binds (found and not at the lower bound); σ fixed and :math:`dε^* = ∂_{q,T,δ}ε\cdot
+    d(q,T,δ)` at the lower bound; zero where nothing was found (ε = +inf) or the inputs are
+    invalid (NaN); NaN where the target binds but :math:`∂_σ ε` is zero or not finite.
+    """
+    found = jnp.isfinite(eps)
+    fixed = at_low > 0
+    binds = found & ~fixed
+    s = jnp.where(found, sigma, 1.0)
+    primals = (s, q, steps, delta)
+
+    def directional(unit):
+        tangents = tuple(unit[i] * jnp.ones_like(p) for i, p in enumerate(primals))
+        return jax.jvp(lambda *a: _epsilon_of(orders, method, *a), primals, tangents)[1]
+
+    slope = jax.vmap(directional, out_axes=-1)(jnp.eye(4, dtype=s.dtype))
+    slope = jnp.where(found[..., None], slope, 0.0)  # +inf where nothing was accepted (0·inf in reverse mode)
     df_ds = slope[..., 0]
-    use = binds & jnp.isfinite(df_ds) & (df_ds < 0)
-    d_sigma = jnp.where(use, (d_target - df_dp) / jnp.where(use, df_ds, -1.0), 0.0)
-    d_eps = jnp.where(use, d_target, jnp.where(fixed & ~binds, df_dp, 0.0))
-    flags = _flags(res)
-    return (jnp.exp(res.x), eps, flags), (d_sigma, d_eps, jnp.zeros_like(flags))
+    good = jnp.isfinite(df_ds) & (df_ds < 0)
+    one = jnp.ones_like(df_ds)
+    ift = jnp.stack([one, -slope[..., 1], -slope[..., 2], -slope[..., 3]], axis=-1) / jnp.where(good, df_ds, -1.0)[..., None]
+    sigma_row = jnp.where(binds[..., None], jnp.where(good[..., None], ift, jnp.nan), 0.0)
+    moves = jnp.concatenate([one[..., None], jnp.zeros_like(slope[..., 1:])], axis=-1)
+    eps_row = jnp.where(binds[..., None], moves, jnp.where((fixed & ~binds)[..., None], slope.at[..., 0].set(0.0), 0.0))
+    return jnp.stack([sigma_row, eps_row], axis=-2)
 
 
 def _log_expm1(z):
@@ -400,7 +461,7 @@ def _model_roots(x_prev, lam_prev, x_cur, lam_cur, two_points, log_limit, log_c2
     return jnp.where(jnp.isnan(x_root), jnp.inf, x_root)
 
 
-def _search(target, q, steps, delta, orders, method, lo_s, hi_s, iterations, slopes=False):
+def _search(target, q, steps, delta, orders, method, lo_s, hi_s, iterations):
     r"""The certified model search on x = log σ (values only): a :class:`CertifiedResult`.
 
     ε(σ) ≤ t iff some order α has :math:`T r_α(σ) ≤ B_α`, where :math:`B_α` is what the
@@ -414,10 +475,6 @@ def _search(target, q, steps, delta, orders, method, lo_s, hi_s, iterations, slo
     Acceptance is the real accountant (:func:`rdp_to_epsilon` of the same method) with a
     relative 1e-12 margin under the target; the search stops once a rejected probe lies
     within ``_SEARCH_TOL`` below an accepted one (:func:`search_certified`).
-
-    With ``slopes`` the value is ``(ε, ∂ε/∂(σ, q, T, δ))`` (the slopes on a trailing axis
-    of 4), each evaluation's ε and slopes from one forward derivative of the accountant
-    batched over the four unit directions (for :func:`_calibrated`'s rule).
     """
     orders_np = np.asarray(orders, dtype=np.float64)
     am1 = orders_np - 1.0
@@ -436,27 +493,12 @@ def _search(target, q, steps, delta, orders, method, lo_s, hi_s, iterations, slo
     pos = budget > 0
     log_limit = jnp.where(pos, _log_expm1(am1 * jnp.where(pos, budget, 1.0) / steps_eff), -jnp.inf)
 
-    def accountant(sigma, q_, steps_, delta_):
-        rdp = heterogeneous_rdp(orders, q_[..., None], sigma[..., None], steps_[..., None])
-        return rdp_to_epsilon(rdp, orders, delta_, method=method).epsilon, rdp
-
     def evaluate(x):
         sigma = jnp.exp(x)
-        if slopes:
-            primals = (sigma, q, steps, delta)
-
-            def directional(unit):
-                tangents = tuple(unit[i] * jnp.ones_like(p) for i, p in enumerate(primals))
-                (eps_, rdp_), (d_eps, _) = jax.jvp(accountant, primals, tangents)
-                return eps_, rdp_, d_eps
-
-            eps, rdp, slope = jax.vmap(directional, out_axes=(None, None, -1))(jnp.eye(4, dtype=sigma.dtype))
-            value = (eps, slope)
-        else:
-            eps, rdp = accountant(sigma, q, steps, delta)
-            value = eps
+        rdp = heterogeneous_rdp(orders, q[..., None], sigma[..., None], steps[..., None])
+        eps = rdp_to_epsilon(rdp, orders, delta, method=method).epsilon
         lam = _log_expm1(am1 * (rdp / steps_eff))
-        return eps <= safe_target, value, lam
+        return eps <= safe_target, eps, lam
 
     # k = 2 coefficient C(α, 2) q² (1-q)^(α-2) and the k = α rate α(α-1) of every order.
     log_q = jnp.log(jnp.where(q > 0, q, 1.0))[..., None]
@@ -486,9 +528,8 @@ def _search(target, q, steps, delta, orders, method, lo_s, hi_s, iterations, slo
     x0 = jnp.where(q > 0, x0, -jnp.inf)
     start = jnp.where(jnp.isnan(x0), 0.0, jnp.clip(x0, math.log(lo_s), math.log(hi_s)))
     info_init = jnp.zeros(target.shape + (len(orders),))
-    value_init = (jnp.zeros(target.shape), jnp.zeros(target.shape + (4,))) if slopes else None
     return search_certified(evaluate, propose, start, info_init, math.log(lo_s), math.log(hi_s), _SEARCH_TOL,
-                            iterations, value_init)
+                            iterations)
 
 
 # =======================================================================================

@@ -152,6 +152,21 @@ def test_calibration_derivatives_in_q_and_delta_follow_the_implicit_function_the
 
 
 
+@pytest.mark.slow  # ~17 s under load (the second derivative compiles the accountant's second-order program)
+def test_calibration_second_derivative_re_enters_the_rule():
+    """d²σ*/d target²: the rule's primal goes through the calibration again, so a second
+    derivative differentiates the rule (never the search's while_loop, which reverse mode
+    cannot transpose), against central differences of the first derivative."""
+    def g(e):
+        return jax.grad(lambda t: A.calibrate_noise_multiplier(t, 0.01, 1000, 1e-5, orders=SMALL).noise_multiplier)(e)
+
+    with jax.enable_x64(True):
+        second = float(jax.grad(g)(X0))
+        step = 1e-4
+        ref = (float(g(X0 + step)) - float(g(X0 - step))) / (2 * step)
+    assert second == pytest.approx(ref, rel=1e-6)
+
+
 FORWARD_CASES = {
     "dpsgd_epsilon": lambda s: A.dpsgd_epsilon(0.01, s, 1000, 1e-5),
     "epsilon(dpsgd_event)": lambda s: A.epsilon(A.dpsgd_event(0.01, s, 1000), 1e-5),
