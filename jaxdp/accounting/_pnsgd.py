@@ -115,17 +115,16 @@ def _bucket(size: int) -> int:
 def _privacy_core(pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt, sc_form, size=None, shape=None):
     """All analyses for scalar run parameters and a flat vector of positions.
 
-    Five compiled programs, not one: the setup (with the composition's two values), the
-    contraction, the RDP analyses, the shifted-interpolation μ, and the GDP conversion with
+    Four compiled programs, not one: the setup (with the composition's two values and the
+    RDP analyses), the contraction, the shifted-interpolation μ, and the GDP conversion with
     the minimum. XLA's compile time grows faster than the size of a program, so the large
     parts compile in about half the time of the whole; each program also has a fixed cost,
     so the small parts ride with a neighbour. Under a caller's ``jit`` they are inlined.
     The outputs are the first ``size`` entries reshaped to ``shape`` (default: all, flat).
     """
-    st = _privacy_setup(pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt)
+    st = _privacy_setup(pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt, sc_form=sc_form)
     eps_c = _contraction_part(st["r_first2"], st["rc"], st["later"], st["sel"], st["log_t"])
-    eps_i, eps_s = _rdp_part(st["pos_s"], st["n_s"], st["lip_s"], st["sig_s"], st["b_s"], st["k_s"], st["m_c"], dlt,
-                             st["scal_ok"], sc_form=sc_form)
+    eps_i, eps_s = st["eps_i"], st["eps_s"]
     mu = _shifted_mu_part(st["pos_s"], st["n_s"], st["lip_s"], beta, rho, st["eta_s"], st["sig_s"], st["dia_s"],
                           st["b_s"], st["k_s"], st["scal_ok"])
     size = pos.shape[0] if size is None else size
@@ -134,9 +133,9 @@ def _privacy_core(pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt, sc_form, siz
                         shape=shape)
 
 
-@persistent("pnsgd_setup")
-@jax.jit
-def _privacy_setup(pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt):
+@persistent("pnsgd_setup", static_argnames=("sc_form",))
+@functools.partial(jax.jit, static_argnames=("sc_form",))
+def _privacy_setup(pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt, sc_form):
     step_ok, m_c = _contraction_factor(eta, beta, rho)
     scal_ok = (
         step_ok
@@ -176,14 +175,13 @@ def _privacy_setup(pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt):
     r_comp2 = 2.0 * lip_s * jnp.sqrt(k_s) / (b2 * sig_s)
     return dict(scal_ok=scal_ok, valid=valid, sig_s=sig_s, eta_s=eta_s, dia_s=dia_s, b_s=b_s, k_s=k_s, n_s=n_s,
                 lip_s=lip_s, log_t=log_t, pos_s=pos_s, m_c=m_c, rc=rc, r_first2=r_first2, sel=sel, later=later,
-                r_comp2=r_comp2, eps_g2=_composition_part(r_comp2, log_t))
+                r_comp2=r_comp2, eps_g2=_composition_part(r_comp2, log_t),
+                **dict(zip(("eps_i", "eps_s"), _rdp_part(pos_s, n_s, lip_s, sig_s, b_s, k_s, m_c, dlt, scal_ok, sc_form))))
 
 
 _contraction_part = persistent("pnsgd_contraction")(jax.jit(_contraction_eps_grid))
 
 
-@persistent("pnsgd_rdp", static_argnames=("sc_form",))
-@functools.partial(jax.jit, static_argnames=("sc_form",))
 def _rdp_part(pos_s, n_s, lip_s, sig_s, b_s, k_s, m_c, dlt, scal_ok, sc_form):
     # Iteration (Feldman): valid for ρ ≥ 0 because η ≤ 2/(β+ρ) ≤ 2/β.
     v_i, c_i = _pabi_coefficient(pos_s, n_s, lip_s, sig_s, b_s, k_s)
@@ -207,8 +205,9 @@ def _composition_part(r_comp2, log_t):
 
 # Shifted interpolation: μ-GDP per record, exact conversion δ(ε) = θ_{e^ε}(μ). Two
 # programs: XLA compiles them in ~3 s apart, ~4.2 s as one. The conversion shares its
-# program with the minimum, and the composition (two values) shares the setup's: each
-# program has a fixed compile cost (~0.1-0.2 CPU-s), so small parts ride with others.
+# program with the minimum; the composition (two values) and the RDP analyses share the
+# setup's: each program has a fixed compile cost (~0.1-0.2 CPU-s), so small parts ride
+# with others.
 _shifted_mu_part = persistent("pnsgd_shifted")(jax.jit(lambda *a: _shifted_mu(*a)))
 
 
