@@ -115,28 +115,27 @@ def _bucket(size: int) -> int:
 def _privacy_core(pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt, sc_form, size=None, shape=None):
     """All analyses for scalar run parameters and a flat vector of positions.
 
-    Several compiled programs, not one: the setup, the parts of the analyses, the minimum. XLA's
-    compile time grows faster than the size of a program, so the parts compile in about
-    half the time of the whole (and the composition's, which does not depend on the number
-    of positions, is compiled once for all). Under a caller's ``jit`` they are inlined.
+    Four compiled programs, not one: the setup (with the composition's two values and the
+    RDP analyses), the contraction, the shifted-interpolation μ, and the GDP conversion with
+    the minimum. XLA's compile time grows faster than the size of a program, so the large
+    parts compile in about half the time of the whole; each program also has a fixed cost,
+    so the small parts ride with a neighbour. Under a caller's ``jit`` they are inlined.
     The outputs are the first ``size`` entries reshaped to ``shape`` (default: all, flat).
     """
-    st = _privacy_setup(pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt)
+    st = _privacy_setup(pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt, sc_form=sc_form)
     eps_c = _contraction_part(st["r_first2"], st["rc"], st["later"], st["sel"], st["log_t"])
-    eps_i, eps_s = _rdp_part(st["pos_s"], st["n_s"], st["lip_s"], st["sig_s"], st["b_s"], st["k_s"], st["m_c"], dlt,
-                             st["scal_ok"], sc_form=sc_form)
-    eps_g2 = _composition_part(st["r_comp2"], st["log_t"])
+    eps_i, eps_s = st["eps_i"], st["eps_s"]
     mu = _shifted_mu_part(st["pos_s"], st["n_s"], st["lip_s"], beta, rho, st["eta_s"], st["sig_s"], st["dia_s"],
                           st["b_s"], st["k_s"], st["scal_ok"])
-    eps_sh = _gdp_part(mu, st["log_t"])
     size = pos.shape[0] if size is None else size
     shape = (size,) if shape is None else tuple(shape)
-    return _combine(st["valid"], st["sel"], eps_c, eps_i, eps_s, eps_g2, eps_sh, size=size, shape=shape)
+    return _gdp_combine(st["valid"], st["sel"], eps_c, eps_i, eps_s, st["eps_g2"], mu, st["log_t"], size=size,
+                        shape=shape)
 
 
-@persistent("pnsgd_setup")
-@jax.jit
-def _privacy_setup(pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt):
+@persistent("pnsgd_setup", static_argnames=("sc_form",))
+@functools.partial(jax.jit, static_argnames=("sc_form",))
+def _privacy_setup(pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt, sc_form):
     step_ok, m_c = _contraction_factor(eta, beta, rho)
     scal_ok = (
         step_ok
@@ -176,14 +175,13 @@ def _privacy_setup(pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt):
     r_comp2 = 2.0 * lip_s * jnp.sqrt(k_s) / (b2 * sig_s)
     return dict(scal_ok=scal_ok, valid=valid, sig_s=sig_s, eta_s=eta_s, dia_s=dia_s, b_s=b_s, k_s=k_s, n_s=n_s,
                 lip_s=lip_s, log_t=log_t, pos_s=pos_s, m_c=m_c, rc=rc, r_first2=r_first2, sel=sel, later=later,
-                r_comp2=r_comp2)
+                r_comp2=r_comp2, eps_g2=_composition_part(r_comp2, log_t),
+                **dict(zip(("eps_i", "eps_s"), _rdp_part(pos_s, n_s, lip_s, sig_s, b_s, k_s, m_c, dlt, scal_ok, sc_form))))
 
 
 _contraction_part = persistent("pnsgd_contraction")(jax.jit(_contraction_eps_grid))
 
 
-@persistent("pnsgd_rdp", static_argnames=("sc_form",))
-@functools.partial(jax.jit, static_argnames=("sc_form",))
 def _rdp_part(pos_s, n_s, lip_s, sig_s, b_s, k_s, m_c, dlt, scal_ok, sc_form):
     # Iteration (Feldman): valid for ρ ≥ 0 because η ≤ 2/(β+ρ) ≤ 2/β.
     v_i, c_i = _pabi_coefficient(pos_s, n_s, lip_s, sig_s, b_s, k_s)
@@ -194,8 +192,6 @@ def _rdp_part(pos_s, n_s, lip_s, sig_s, b_s, k_s, m_c, dlt, scal_ok, sc_form):
     return eps_i, jnp.where(k_s > 1, jnp.inf, eps_s)
 
 
-@persistent("pnsgd_composition")
-@jax.jit
 def _composition_part(r_comp2, log_t):
     """The exact ε of the two possible composed Gaussian mechanisms (full and last batch)."""
     zero2 = jnp.zeros(2)
@@ -208,14 +204,17 @@ def _composition_part(r_comp2, log_t):
 
 
 # Shifted interpolation: μ-GDP per record, exact conversion δ(ε) = θ_{e^ε}(μ). Two
-# programs: XLA compiles them in ~3 s apart, ~4.2 s as one.
+# programs: XLA compiles them in ~3 s apart, ~4.2 s as one. The conversion shares its
+# program with the minimum; the composition (two values) and the RDP analyses share the
+# setup's: each program has a fixed compile cost (~0.1-0.2 CPU-s), so small parts ride
+# with others.
 _shifted_mu_part = persistent("pnsgd_shifted")(jax.jit(lambda *a: _shifted_mu(*a)))
-_gdp_part = persistent("pnsgd_gdp")(jax.jit(lambda mu, log_t: _gdp_eps(mu, log_t)))
 
 
 @persistent("pnsgd_combine", static_argnames=("size", "shape"))
 @functools.partial(jax.jit, static_argnames=("size", "shape"))
-def _combine(valid, sel, eps_c, eps_i, eps_s, eps_g2, eps_sh, size, shape):
+def _gdp_combine(valid, sel, eps_c, eps_i, eps_s, eps_g2, mu, log_t, size, shape):
+    eps_sh = _gdp_eps(mu, log_t)
     eps_g = jnp.where(sel == 1, eps_g2[1], eps_g2[0])
     best = jnp.minimum(jnp.minimum(jnp.minimum(eps_c, eps_i), jnp.minimum(eps_s, eps_g)), eps_sh)
     nan = lambda x: jnp.reshape(nan_unless(valid, x)[:size], shape)  # noqa: E731

@@ -173,9 +173,11 @@ def _shifted_energy(pos, n, lip, eta, dia, b, k, lc):
     # at j, k uses) and the three later starts left by the search (distance D, first use m
     # steps later); the least of the three later ones by selects (argmin and gathers break
     # vmap/grad with x64 off).
-    st = lambda a, b_: jnp.concatenate([a[..., None], b_], axis=-1)  # noqa: E731
-    ones3 = jnp.ones(cands.shape)
-    all4 = _energy(st(j, m[..., None] * ones3), st(k, cands), st(jnp.zeros_like(z0), z0[..., None] * ones3),
+    col = jnp.broadcast_to(jnp.arange(4.0, dtype=cands.dtype), cands.shape[:-1] + (4,))
+    first = col == 0.0
+    cands4 = jnp.where(first, k[..., None], jnp.minimum(sg(lo)[..., None] + (col - 1.0), sg(hi)[..., None]))
+    cands4 = jnp.where(first | any_start[..., None], cands4, 1.0)
+    all4 = _energy(jnp.where(first, j[..., None], m[..., None]), cands4, jnp.where(first, 0.0, z0[..., None]),
                    delta_s[..., None], m[..., None], e[..., None], lc[..., None])
     e_start, best_v = all4[..., 0], all4[..., 1]
     for i in (2, 3):
