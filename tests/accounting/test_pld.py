@@ -260,13 +260,17 @@ def test_uncertifiable_delta_falls_back_to_rdp_or_raises():
     ev = A.dpsgd_event(0.5, 0.3, 10000)
     with pytest.raises(ValueError, match="cannot certify"):
         A.pld_epsilon(ev, 1e-10, grid_size=64, fallback="none")
-    assert np.isposinf(float(jax.jit(lambda d: A.pld_epsilon(ev, d, grid_size=64, fallback="none"))(1e-10)))
     rdp = float(A.epsilon(ev, 1e-10))
     with pytest.warns(UserWarning, match="RDP"):
         assert float(A.epsilon(ev, 1e-10, accountant="pld", grid_size=64)) == rdp
     with pytest.warns(UserWarning, match="RDP"):
         assert float(A.pld_bracket(ev, 1e-10, grid_size=64).upper) == rdp
-    assert float(jax.jit(lambda d: A.pld_epsilon(ev, d, grid_size=64))(1e-10)) == pytest.approx(rdp, rel=1e-12)
+    # Under jit, both fallbacks in one program (one compilation, ~4 CPU-s less than two):
+    # +inf without a fallback, the RDP value with it.
+    none, rdp_fallback = jax.jit(lambda d: (A.pld_epsilon(ev, d, grid_size=64, fallback="none"),
+                                            A.pld_epsilon(ev, d, grid_size=64)))(1e-10)
+    assert np.isposinf(float(none))
+    assert float(rdp_fallback) == pytest.approx(rdp, rel=1e-12)
 
 
 def test_docstrings_state_the_defaults():
