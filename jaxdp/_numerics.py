@@ -167,7 +167,13 @@ def float64(fn: F) -> F:
 
 
 def f64(x) -> jax.Array:
-    """``x`` as a float64 array (call inside a :func:`float64` scope)."""
+    """``x`` as a float64 array (call inside a :func:`float64` scope).
+
+    A Python number is converted by NumPy first (the same rounding): ``jnp.asarray`` of a
+    Python scalar compiles a small XLA program of its own, a cost a fresh process feels.
+    """
+    if type(x) is float or (type(x) is int and abs(x) <= 2**53):  # (exact in float64)
+        x = np.asarray(x, dtype=np.float64)  # (a 0-d array: a NumPy scalar would compile too)
     return jnp.asarray(x, dtype=jnp.float64)
 
 

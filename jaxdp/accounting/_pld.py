@@ -119,6 +119,28 @@ class PLDBracket(NamedTuple):
 # =======================================================================================
 
 
+def _f64(x):
+    """A leaf as float64: a NumPy array where its value is known, else a traced ``f64``.
+
+    The event's arithmetic below (counts rounded up, products of counts, σ/√k) then runs
+    on the host when called eagerly: with ``jnp`` each operation compiles a small XLA
+    program of its own, about 0.05 s apiece in a fresh process (NumPy's float64 ceil,
+    product, quotient and square root are the same correctly rounded operations).
+    """
+    return np.asarray(x, dtype=np.float64) if _validate.is_concrete(x) else f64(x)
+
+
+def _xp(*xs):
+    """NumPy if every array is a host array, else ``jax.numpy``."""
+    return np if all(isinstance(x, (np.ndarray, np.generic)) for x in xs) else jnp
+
+
+def _ceil_count(c):
+    """A count rounded up to an integer; NaN where it is negative."""
+    xp = _xp(c)
+    return xp.where(c >= 0, xp.ceil(xp.where(c >= 0, c, 0.0)), xp.nan)
+
+
 def _components(event, count=None):
     """``[(kind, params, count)]`` of an event tree; kind static, params and counts leaves.
 
@@ -128,32 +150,31 @@ def _components(event, count=None):
     A sampled k-fold Gaussian is the sampled Gaussian of σ/√k (the k-fold Gaussian pair is
     the Gaussian pair of μ√k, exactly).
     """
-    one = f64(1.0) if count is None else count
+    one = _f64(1.0) if count is None else count
     if isinstance(event, Gaussian):
-        return [("gaussian", (f64(event.noise_multiplier),), one)]
+        return [("gaussian", (_f64(event.noise_multiplier),), one)]
     if isinstance(event, Laplace):
-        return [("laplace", (f64(event.noise_multiplier),), one)]
+        return [("laplace", (_f64(event.noise_multiplier),), one)]
     if isinstance(event, ApproxDP):
-        return [("approx_dp", (f64(event.epsilon), f64(event.delta)), one)]
+        return [("approx_dp", (_f64(event.epsilon), _f64(event.delta)), one)]
     if isinstance(event, PoissonSampled):
-        inner, q = event.event, f64(event.q)
+        inner, q = event.event, _f64(event.q)
         if isinstance(inner, SelfComposed) and isinstance(inner.event, Gaussian):
-            c = f64(inner.count)
-            k = jnp.where(c >= 0, jnp.ceil(jnp.where(c >= 0, c, 0.0)), jnp.nan)
-            inner = Gaussian(f64(inner.event.noise_multiplier) / jnp.sqrt(k), inner.event.relation)
+            k = _ceil_count(_f64(inner.count))
+            sigma = _f64(inner.event.noise_multiplier)
+            inner = Gaussian(sigma / _xp(sigma, k).sqrt(k), inner.event.relation)
         if isinstance(inner, (Gaussian, Laplace, ApproxDP)) and inner.relation == "add_remove":
             if isinstance(inner, Gaussian):
-                return [("sampled_gaussian", (q, f64(inner.noise_multiplier)), one)]
+                return [("sampled_gaussian", (q, _f64(inner.noise_multiplier)), one)]
             if isinstance(inner, Laplace):
-                return [("sampled_laplace", (q, f64(inner.noise_multiplier)), one)]
-            return [("sampled_approx_dp", (q, f64(inner.epsilon), f64(inner.delta)), one)]
+                return [("sampled_laplace", (q, _f64(inner.noise_multiplier)), one)]
+            return [("sampled_approx_dp", (q, _f64(inner.epsilon), _f64(inner.delta)), one)]
         raise ValueError("the PLD accountant covers PoissonSampled(q, inner) of a Gaussian (also self-composed), "
                          "Laplace or ApproxDP event under add_remove only; got PoissonSampled("
                          f"{type(inner).__name__}, relation={getattr(inner, 'relation', None)!r}).")
     if isinstance(event, SelfComposed):
-        c = f64(event.count)
-        k = jnp.where(c >= 0, jnp.ceil(jnp.where(c >= 0, c, 0.0)), jnp.nan)
-        return _components(event.event, k * one)
+        k = _ceil_count(_f64(event.count))
+        return _components(event.event, k * one if _xp(k, one) is np else jnp.multiply(k, one))
     if isinstance(event, Composed):
         out = []
         for e in event.events:

@@ -466,3 +466,21 @@ def test_approx_dp_validation_and_support():
         jaxdp.interop.to_dp_event(A.ApproxDP(1.0, 1e-6))
     assert np.isnan(float(jax.jit(lambda d: A.epsilon(A.ApproxDP(1.0, d), 1e-5, accountant="pld",
                                                       fallback="none"))(1.5)))
+
+
+def test_concrete_event_arithmetic_stays_on_the_host():
+    # Issue 21 (a warm process's first ε): a known event's counts and parameters are
+    # computed by NumPy (each eager jnp op would compile an XLA program of its own), with the
+    # same values as jnp; under jit they stay traced.
+    from jaxdp._numerics import f64, float64
+    from jaxdp.accounting import _pld
+
+    ev = A.Composed((A.dpsgd_event(0.01, 1.1, 100.5), A.PoissonSampled(0.02, A.SelfComposed(A.Gaussian(2.0), 3)),
+                     A.SelfComposed(A.Laplace(3.0), 2)))
+    comps = float64(_pld._components)(ev)
+    leaves = [x for _, params, k in comps for x in (*params, k)]
+    assert all(isinstance(x, (np.ndarray, np.generic)) for x in leaves)
+    assert [float(x) for x in leaves] == [0.01, 1.1, 101.0, 0.02, 2.0 / math.sqrt(3.0), 1.0, 3.0, 2.0]
+    assert float64(lambda: f64(1e-5))().weak_type is False
+    out = jax.jit(lambda c: [k for _, _, k in float64(_pld._components)(A.dpsgd_event(0.01, 1.1, c))])(100.5)
+    assert float(out[0]) == 101.0
