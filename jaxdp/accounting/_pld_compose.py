@@ -427,11 +427,19 @@ def compose(kinds, params, counts, n, tau, estimate, query, what, stages=1):
             # for the rounding of that difference.
             mass = jnp.maximum(r_t, 0.0) + m_bin
             probs = jnp.exp(jnp.minimum(jnp.log(mass) + log_scale, 0.0))
+            # Only the window's bins i < n count: each geometric sum stops at k < K = n - j,
+            # Σ_{k<K} (xe^{-ch})^k = (1 - (xe^{-ch})^K)/(1 - xe^{-ch}).
             lam_h = jnp.maximum(lam, 0.0) * h
-            g0 = 1.0 / -jnp.expm1(-2.0 * lam_h)
-            g_w = (g0 - 2.0 * jnp.exp(-h) / -jnp.expm1(-2.0 * lam_h - h)
-                   + jnp.exp(-2.0 * h) / -jnp.expm1(-2.0 * lam_h - 2.0 * h) + 40.0 * _U * g0)
-            log_geo = 0.5 * jnp.log(jnp.minimum(g0, jnp.maximum(g_w, 0.0)))
+            big_k = n - j
+
+            def geo(c):
+                den = -jnp.expm1(-(2.0 * lam_h + c * h))
+                return jnp.where(den > 0, -jnp.expm1(-(2.0 * lam_h + c * h) * big_k) / jnp.where(den > 0, den, 1.0),
+                                 big_k)
+
+            g0 = geo(0.0)  # the weights at most 1
+            g_w = g0 - 2.0 * jnp.exp(-h) * geo(1.0) + jnp.exp(-2.0 * h) * geo(2.0) + 40.0 * _U * g0
+            log_geo = 0.5 * jnp.log(jnp.minimum(g0 * (1.0 + 8.0 * _U), jnp.maximum(g_w, 0.0)))
             l2 = jnp.exp(jnp.minimum(jnp.log(m_two) + log_scale + log_geo, 0.0)) * (1.0 + 1e-6)
             # Bins whose mass underflows lose at most n times the smallest normal.
             extra = p_inf_tot + t_up + n * _TINY
