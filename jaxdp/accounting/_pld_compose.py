@@ -57,6 +57,9 @@ class Composed(NamedTuple):
     losses: jax.Array  # (n,) the bin losses
     extra: jax.Array  # mass counted as +∞ (upper: ∞-mass + tail) or subtracted (lower)
     fold: object = None  # lower bound: ε ↦ bound on the mass folded down onto losses > ε
+    # upper bound: per bin j, m₂·e^{Λ-λℓ_j}·G ≥ m₂‖(w_i e^{Λ-λℓ_i})_{i≥j}‖₂ (the normwise
+    # round-off read out by Cauchy–Schwarz, docs/pld.md "Round-off"), added to δ at ε ∈ [ε_{j-1}, ε_j)
+    l2: object = None
 
 
 def _single_range(kind, params, direction, z):
@@ -403,7 +406,7 @@ def compose(kinds, params, counts, n, tau, estimate, query, what, stages=1):
         a0 = jnp.ceil((top_need - jax.lax.stop_gradient(shift)) / h) - (n - 1)
         losses = (a0 + j) * h
         parts = [(o, grid, p) for o, grid, p, *_ in mech]
-        r_t, margin, big_lam = tilted_fft(parts, counts_s, lam, a0, n)
+        r_t, (m_two, m_bin), big_lam = tilted_fft(parts, counts_s, lam, a0, n, split=True)
         log_mgf = jnp.zeros(thetas.shape)
         neg_mgf = jnp.zeros(thetas.shape)
         for k, (o, grid, p, *_) in zip(counts_s, mech):
@@ -416,13 +419,34 @@ def compose(kinds, params, counts, n, tau, estimate, query, what, stages=1):
         log_scale = big_lam - lam * losses
         if estimate == "upper":
             t_up = jnp.exp(jnp.minimum(jnp.min(log_mgf - thetas * top), 0.0))
-            mass = jnp.maximum(r_t, 0.0) + margin
+            # The per-bin round-off term m_bin is added to every tilted bin; the normwise one
+            # m₂ ≥ ‖r̃^fl - r̃‖₂ is read out by Cauchy–Schwarz: for ε ∈ (ε_{j-1}, ε_j],
+            # Σ_{i≥j} w_i e^{Λ-λℓ_i}|e_i| ≤ m₂ e^{Λ-λℓ_j} G, G² = Σ_{k≥0} w_k² e^{-2λkh} with the
+            # weights at ε_{j-1} (the largest), w_k = 1 - e^{-(k+1)h} (at most 1: G² ≤ 1/(1-x)):
+            # G² = 1/(1-x) - 2e^{-h}/(1-xe^{-h}) + e^{-2h}/(1-xe^{-2h}), x = e^{-2λh}, plus 40u/(1-x)
+            # for the rounding of that difference.
+            mass = jnp.maximum(r_t, 0.0) + m_bin
             probs = jnp.exp(jnp.minimum(jnp.log(mass) + log_scale, 0.0))
+            # Only the window's bins i < n count: each geometric sum stops at k < K = n - j,
+            # Σ_{k<K} (xe^{-ch})^k = (1 - (xe^{-ch})^K)/(1 - xe^{-ch}).
+            lam_h = jnp.maximum(lam, 0.0) * h
+            big_k = n - j
+
+            def geo(c):
+                den = -jnp.expm1(-(2.0 * lam_h + c * h))
+                return jnp.where(den > 0, -jnp.expm1(-(2.0 * lam_h + c * h) * big_k) / jnp.where(den > 0, den, 1.0),
+                                 big_k)
+
+            g0 = geo(0.0)  # the weights at most 1
+            g_w = g0 - 2.0 * jnp.exp(-h) * geo(1.0) + jnp.exp(-2.0 * h) * geo(2.0) + 40.0 * _U * g0
+            log_geo = 0.5 * jnp.log(jnp.minimum(g0 * (1.0 + 8.0 * _U), jnp.maximum(g_w, 0.0)))
+            l2 = jnp.exp(jnp.minimum(jnp.log(m_two) + log_scale + log_geo, 0.0)) * (1.0 + 1e-6)
             # Bins whose mass underflows lose at most n times the smallest normal.
             extra = p_inf_tot + t_up + n * _TINY
             fold = None
         else:
-            mass = jnp.maximum(r_t - margin, 0.0)
+            l2 = None
+            mass = jnp.maximum(r_t - (m_two + m_bin), 0.0)
             logm = jnp.where(mass > 0, jnp.log(jnp.where(mass > 0, mass, 1.0)), -jnp.inf)
             probs = jnp.exp(jnp.minimum(logm + log_scale, 0.0))
             # Mass below the window folded up by mW, scaled by e^{-λmW}: at most
@@ -431,7 +455,7 @@ def compose(kinds, params, counts, n, tau, estimate, query, what, stages=1):
             log_below = jnp.minimum(jnp.min(neg_mgf + thetas * bottom), 0.0)
             extra = -jnp.exp(log_below - lam * w_all) / -jnp.expm1(-lam * w_all)
             fold = functools.partial(_fold_down, log_mgf[1:], thetas[1:], lam, w_all)
-        out.append(Composed(probs, losses, extra, fold))
+        out.append(Composed(probs, losses, extra, fold, l2))
     return out
 
 
@@ -452,6 +476,8 @@ def delta_read(c: Composed, eps, estimate):
     w = -jnp.expm1(jnp.minimum(eps - c.losses, 0.0))
     w = jnp.where(c.losses > eps, w, 0.0)
     d = jnp.sum(c.probs * w) + c.extra
+    if c.l2 is not None:  # the normwise round-off from the first bin above ε (0 if none)
+        d = d + jnp.max(jnp.where(c.losses > eps, c.l2, 0.0))
     if c.fold is not None:
         d = d - c.fold(eps)
     if estimate == "upper":  # below the window's bottom (never planned so) nothing is certified
@@ -510,6 +536,8 @@ def epsilon_read(c: Composed, target):
     # The constant part of the curve on (ε_{j-1}, ε_j] (the lower bound's fold-down bound is
     # taken at ε_{j-1}, its largest value there).
     x = c.extra if c.fold is None else c.extra - c.fold(e - h)
+    if c.l2 is not None:  # on (ε_{j-1}, ε_j] the normwise round-off over the bins i ≥ j
+        x = x + c.l2
     d_at = x + s_next - d_next  # δ at ε = ε_j
     # The first bin from which the curve stays ≤ target (the lower bound's curve need not be
     # monotone; the true δ is, so δ(ε) ≥ the lower curve at every ε' ≥ ε).
@@ -523,7 +551,7 @@ def epsilon_read(c: Composed, target):
     s_star = jnp.sum(onehot * (s_next + r))
     dd_star = jnp.sum(onehot * (d_next + r))
     e_star = jnp.sum(onehot * e)
-    x_star = jnp.sum(onehot * x) if c.fold is not None else x
+    x_star = jnp.sum(onehot * x) if jnp.ndim(x) else x
     num = x_star + s_star - target
     pos = (num > 0) & (dd_star > 0)
     # X + S - e^{ε - ε_j} D' = target  ⇒  ε = ε_j + log((X + S - target)/D').

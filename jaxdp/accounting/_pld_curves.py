@@ -353,7 +353,7 @@ def lse(logp, x):
     return jnp.where(pos, jnp.log(jnp.where(pos, s, 1.0)) + m[..., 0], -jnp.inf)
 
 
-def tilted_fft(parts, counts, lam, a0, n):
+def tilted_fft(parts, counts, lam, a0, n, split=False):
     r"""The circular composition of masses tilted by λ, rolled to start at bin a0, and its round-off bound.
 
     ``parts`` are ``(o, grid, p)``: masses p on the bins ``grid = (o + i)h``, composed
@@ -364,8 +364,10 @@ def tilted_fft(parts, counts, lam, a0, n):
     n ≤ 2^26). Untilted, bin ℓ holds :math:`\tilde r_ℓ e^{Λ - λℓ}`, Λ = Σ_c k_c a_c.
 
     Returns:
-      (the tilted circular result r̃, the normwise round-off bound m on each of its bins
-      (Higham 2002 §24.1), Λ).
+      (the tilted circular result r̃, the round-off bound m on each of its bins (Higham 2002
+      §24.1), Λ); with ``split=True`` m is returned as (m₂, m_bin), m = m₂ + m_bin: m₂ bounds
+      the 2-norm of the error vector r̃^fl − r̃ and m_bin = 4nu is a per-bin term (docs/pld.md,
+      "Round-off").
     """
     spec = jnp.ones((n // 2 + 1,), dtype=jnp.complex128)
     offset = jnp.zeros(())
@@ -386,5 +388,8 @@ def tilted_fft(parts, counts, lam, a0, n):
     r_t = jnp.fft.irfft(spec * jnp.exp(1j * phase), n)
     # The rounding margin carries no derivative (it is a bound on round-off).
     spec_norm = jnp.sqrt(2.0 * jnp.sum(jnp.abs(jax.lax.stop_gradient(spec)) ** 2))
-    margin = 8.0 * _U * (math.log2(n) + 2.0) * (1.0 + norm_term) * (spec_norm + 1.0) + 4.0 * n * _U
-    return r_t, margin, big_lam
+    norm_wise = 8.0 * _U * (math.log2(n) + 2.0) * (1.0 + norm_term) * (spec_norm + 1.0)
+    per_bin = 4.0 * n * _U
+    if split:
+        return r_t, (norm_wise, per_bin), big_lam
+    return r_t, norm_wise + per_bin, big_lam
