@@ -349,6 +349,17 @@ def test_gaussian_never_below_closed_form_every_grid_size():
     _grid_sizes_check([2**p for p in range(10, 21)])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("delta", [1e-10, 1e-12, 1e-15])
+def test_gaussian_small_delta_never_below_closed_form(delta):
+    """Small δ, where the FFT round-off (read out by Cauchy–Schwarz since s15) sets the upper bound."""
+    for sigma, k in ((0.5, 1), (1.0, 10), (3.0, 1000), (20.0, 1000)):
+        exact = _exact_gauss_epsilon(delta, math.sqrt(k) / sigma)
+        for n in (2**10, 2**14, 2**18):
+            up = float(A.pld_epsilon(A.SelfComposed(A.Gaussian(sigma), k), delta, grid_size=n, fallback="none"))
+            assert up >= exact, (sigma, k, delta, n, up, exact)
+
+
 def test_validation_and_unsupported_events():
     with pytest.raises(ValueError, match="grid_size"):
         A.pld_epsilon(A.Gaussian(1.0), 1e-5, grid_size=1000)
