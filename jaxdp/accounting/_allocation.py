@@ -372,6 +372,11 @@ def _add_chords(t, sigma):
     log_nodes = np.linspace(_LOG_U0, _LOG_U1, _NC + 1)
     nodes = np.exp(log_nodes)
     big_l = nodes + t * _log_phi_upper_chunked(nodes / t, sigma)  # upper bounds on L at the nodes
+    return _chords(nodes, big_l)
+
+
+def _chords(nodes, big_l):
+    """``(lam, kappa)``, each ``(NC, 1)``: the chords of L through ``big_l`` at consecutive ``nodes``."""
     slope = (big_l[1:] - big_l[:-1]) / np.diff(nodes)
     lam = (1.0 - slope)[:, None]  # (NC, 1)
     kappa = (big_l[:-1] - slope * nodes[:-1])[:, None]
@@ -406,16 +411,27 @@ def _add_chords_refined(t, sigma, u_max):
     pick = jnp.sort(jax.lax.top_k(jax.lax.stop_gradient(est), _REFINE_K)[1])
     fine = jnp.asarray(rest, jnp.int32)[pick]
     big_l_f = f64(nodes)[fine] + t * _log_phi_upper_chunked(f64(nodes)[fine] / t, sigma)
-    # All evaluated nodes in increasing order, then the chords' values at the others.
+    # All evaluated nodes in increasing order, then the chords' values at the others (the
+    # evaluated values picked by selects, not gathers: see _select).
     idx = jnp.concatenate([jnp.asarray(coarse, jnp.int32), fine])
     order = jnp.argsort(idx)
-    idx, vals = idx[order], jnp.concatenate([big_l_c, big_l_f])[order]
-    filled = jnp.interp(f64(nodes), f64(nodes)[idx], vals) + 2e-15 * nodes
-    big_l = filled.at[idx].set(vals)
-    slope = (big_l[1:] - big_l[:-1]) / np.diff(nodes)
-    lam = (1.0 - slope)[:, None]  # (NC, 1)
-    kappa = (big_l[:-1] - slope * nodes[:-1])[:, None]
-    return lam, kappa
+    idx = idx[order]
+    vals = _select(order, jnp.concatenate([big_l_c, big_l_f]))
+    right = jnp.clip(jnp.searchsorted(idx, np.arange(n), side="right"), 1, idx.shape[0] - 1)
+    l_lo, l_hi = _select(right - 1, vals), _select(right, vals)
+    u_lo, u_hi = f64(nodes)[idx[right - 1]], f64(nodes)[idx[right]]
+    filled = l_lo + ((nodes - u_lo) / (u_hi - u_lo)) * (l_hi - l_lo) + 2e-15 * nodes
+    return _chords(nodes, jnp.where(idx[right - 1] == np.arange(n), l_lo, filled))
+
+
+def _select(index, values):
+    """``values[index]`` for traced integer ``index`` (1-D): a select and an exact sum per entry.
+
+    Not a gather: JAX transposes a gather into a scatter-add onto zeros that, differentiated
+    outside the float64 scope with x64 off, are float32 (see :func:`jaxdp._numerics.take`).
+    """
+    hit = index[:, None] == jnp.arange(values.shape[0])[None, :]
+    return jnp.sum(jnp.where(hit, values[None, :], 0.0), axis=1)
 
 
 def _head_tail_log(bv, parts_cells, t, sigma):
@@ -661,23 +677,30 @@ def _pruned_one(orders_np, t, sigma, n, delta):
     amgm = 0.5 / sigma**2 + betas * (0.5 / (t * sigma**2))
     lam, kappa = _add_chords_refined(t, sigma, 10.0 * float(np.max(orders_np)))
 
-    def add_at(idx):
+    def add_at(idx, amgm_at):
         quad = _add_cells_dynamic(betas[idx], lam, kappa, t, sigma) / betas[idx]
         quad = jnp.where(jnp.isnan(quad), jnp.inf, quad)
-        return jnp.maximum(jnp.minimum(amgm[idx], quad), 0.0)
+        return jnp.maximum(jnp.minimum(amgm_at, quad), 0.0)
 
     coarse = _coarse_index(len(orders_np))
-    add_c = add_at(jnp.asarray(coarse))
-    eps_c = improved_per_order(n * jnp.maximum(rem[coarse], add_c), orders[coarse], delta)
+    add_c = add_at(jnp.asarray(coarse), take(amgm, coarse))
+    eps_c = improved_per_order(n * jnp.maximum(take(rem, coarse), add_c), orders[coarse], delta)
     eps_c = jax.lax.stop_gradient(jnp.where(jnp.isnan(eps_c), jnp.inf, eps_c))
     # Lower estimate of the curve at the other orders: the exact remove direction and the add
     # direction at the coarse order just below (D_α is non-decreasing in α).
     below = np.searchsorted(coarse, np.arange(len(orders_np)), side="right") - 1
-    lower = jnp.maximum(rem, add_c[below])
+    lower = jnp.maximum(rem, take(add_c, below))
     eps_low = improved_per_order(n * lower, orders, delta)
-    eps_low = jnp.where(jnp.isnan(eps_low), -jnp.inf, eps_low).at[coarse].set(jnp.inf)
+    is_coarse = np.isin(np.arange(len(orders_np)), coarse)
+    eps_low = jnp.where(is_coarse, jnp.inf, jnp.where(jnp.isnan(eps_low), -jnp.inf, eps_low))
     pick = jax.lax.top_k(-jax.lax.stop_gradient(eps_low), _PRUNE_K)[1]
-    add = jnp.full(orders.shape, jnp.inf).at[coarse].set(add_c).at[pick].set(add_at(pick))
+    # The curve: add_c at the coarse orders, the picked orders' values, +inf elsewhere (by
+    # selects: differentiable with x64 off, see _select).
+    at_coarse = np.minimum(np.searchsorted(coarse, np.arange(len(orders_np))), len(coarse) - 1)
+    add = jnp.where(is_coarse, take(add_c, at_coarse), jnp.inf)
+    hit = pick[None, :] == jnp.arange(len(orders_np))[:, None]
+    add_p = add_at(pick, _select(pick, amgm))
+    add = jnp.where(jnp.any(hit, axis=1), jnp.sum(jnp.where(hit, add_p[None, :], 0.0), axis=1), add)
     return jnp.maximum(rem, add)
 
 

@@ -321,10 +321,14 @@ def _apply_jacobian(jac, *tangents):
     return d[..., 0], d[..., 1]
 
 
+def _rdp_of(orders, sigma, q, steps):
+    """The exact RDP curve of DP-SGD at (q, σ, T), orders on a trailing axis."""
+    return heterogeneous_rdp(orders, q[..., None], sigma[..., None], steps[..., None])
+
+
 def _epsilon_of(orders, method, sigma, q, steps, delta):
     """ε of DP-SGD at (q, σ, T, δ) by the exact RDP (the accountant the search accepts with)."""
-    rdp = heterogeneous_rdp(orders, q[..., None], sigma[..., None], steps[..., None])
-    return rdp_to_epsilon(rdp, orders, delta, method=method).epsilon
+    return rdp_to_epsilon(_rdp_of(orders, sigma, q, steps), orders, delta, method=method).epsilon
 
 
 @persistent("calibration_jacobian", static_argnums=(0, 1))
@@ -494,8 +498,7 @@ def _search(target, q, steps, delta, orders, method, lo_s, hi_s, iterations):
     log_limit = jnp.where(pos, _log_expm1(am1 * jnp.where(pos, budget, 1.0) / steps_eff), -jnp.inf)
 
     def evaluate(x):
-        sigma = jnp.exp(x)
-        rdp = heterogeneous_rdp(orders, q[..., None], sigma[..., None], steps[..., None])
+        rdp = _rdp_of(orders, jnp.exp(x), q, steps)
         eps = rdp_to_epsilon(rdp, orders, delta, method=method).epsilon
         lam = _log_expm1(am1 * (rdp / steps_eff))
         return eps <= safe_target, eps, lam

@@ -369,3 +369,18 @@ def test_invalid_inputs():
         A.epsilon(A.RandomAllocation(3, A.Gaussian(1.0), selected=4), 1e-5)
     bad = jax.jit(lambda n: A.random_allocation_rdp([2.0], n, 1.0, selected=3))(2.0)  # t < k under jit
     assert np.isnan(np.asarray(bad)).all()
+
+
+@pytest.mark.slow  # ~15 s of compiles (the pruned path's derivative in both x64 modes)
+def test_pruned_epsilon_gradient_with_x64_off():
+    """ε's pruned path (dp_accounting's orders) differentiates with x64 off as with it on.
+
+    Its picked orders and chords are selected by traced indices; gathers there would
+    transpose into float32 scatters outside the float64 scope (a TypeError before s15).
+    """
+    f = lambda s: A.epsilon(A.balls_in_bins_event(s, 100.0, 3.0), 1e-5)  # noqa: E731
+    with jax.enable_x64(False):
+        off = float(jax.grad(jax.jit(f))(1.2))
+    with jax.enable_x64(True):
+        on = float(jax.grad(f)(1.2))
+    assert np.isfinite(off) and off == pytest.approx(on, rel=1e-5), (off, on)
