@@ -226,8 +226,9 @@ def _program(lowered) -> bytes:
 
 @functools.cache
 def _source_digest() -> bytes:
-    """SHA-256 of every ``.py`` file of the installed jaxdp package (path and content) and of
-    the NumPy and SciPy versions: what a traced program depends on besides JAX and its inputs."""
+    """SHA-256 of every ``.py`` and ``.npy`` file of the installed jaxdp package (path and
+    content) and of the NumPy and SciPy versions: what a traced program depends on besides JAX
+    and its inputs (the ``.npy`` is the RDP plans' log-gamma table)."""
     import numpy
     import scipy
 
@@ -236,7 +237,7 @@ def _source_digest() -> bytes:
     for folder, dirs, files in sorted(os.walk(root)):
         dirs.sort()
         for name in sorted(files):
-            if name.endswith(".py"):
+            if name.endswith((".py", ".npy")):
                 file = os.path.join(folder, name)
                 h.update(os.path.relpath(file, root).encode() + b"\0")
                 with open(file, "rb") as f:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -114,11 +115,71 @@ class _Plan:
     max_int: int
 
 
+# ``scipy.special.gammaln`` at every argument a plan of ``DEFAULT_ORDERS`` (or of a subset of
+# them) evaluates, shape (2, m): sorted arguments, then their values. Importing scipy.special
+# costs a fresh process ~0.15 CPU-s (0.2-0.4 s wall) before its first ε, most of a plan's
+# cost; the table holds SciPy's own values, so plans and results are bit-identical
+# (tests/accounting/test_rdp.py checks it against SciPy and regenerates it with
+# ``_write_gammaln_table``). Any other argument goes to SciPy.
+_GAMMALN_TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_gammaln_table.npy")
+
+
+@functools.cache
+def _gammaln_table() -> np.ndarray | None:
+    try:
+        return read_only(np.load(_GAMMALN_TABLE, allow_pickle=False))
+    except OSError:  # not shipped: every value from SciPy
+        return None
+
+
+def _scipy_gammaln(x: np.ndarray) -> np.ndarray:
+    from scipy import special as _sp  # lazy: ~0.3 s of import (see _GAMMALN_TABLE)
+
+    return _sp.gammaln(x)
+
+
+def _gammaln(x) -> np.ndarray:
+    """``scipy.special.gammaln(x)`` (log|Γ(x)|, +inf at the poles 0, -1, -2, ...), from the
+    shipped table when it holds every finite argument (the same numbers), else from SciPy."""
+    x = np.asarray(x, dtype=np.float64)
+    table = _gammaln_table()
+    pole = (x <= 0) & (x == np.floor(x))
+    if table is not None:
+        args, values = table
+        at = np.minimum(np.searchsorted(args, x), args.size - 1)
+        if np.all((args[at] == x) | pole):
+            return np.where(pole, np.inf, values[at])
+    return _scipy_gammaln(x)
+
+
+def _write_gammaln_table(path: str = _GAMMALN_TABLE) -> np.ndarray:
+    """Write the table of ``_GAMMALN_TABLE``: SciPy's gammaln at every argument that building
+    the plan of ``DEFAULT_ORDERS`` evaluates (recorded while building it with SciPy)."""
+    from scipy import special as _sp
+
+    seen = []
+
+    def record(x):
+        seen.append(np.asarray(x, dtype=np.float64).ravel())
+        return _sp.gammaln(x)
+
+    global _gammaln
+    use = _gammaln
+    _gammaln = record
+    try:
+        _plan.__wrapped__(tuple(DEFAULT_ORDERS.tolist()))
+    finally:
+        _gammaln = use
+    x = np.unique(np.concatenate(seen))
+    x = x[np.isfinite(x) & ~((x <= 0) & (x == np.floor(x)))]
+    table = np.stack([x, _sp.gammaln(x)])
+    np.save(path, table, allow_pickle=False)
+    return table
+
+
 def _log_abs_comb(alpha: np.ndarray, i: np.ndarray) -> np.ndarray:
     """log |C(α, i)| via log-gamma (gammaln returns log|Γ| for negative non-integers)."""
-    from scipy import special as _sp  # lazy: ~0.3 s of import, needed only to build a plan (tracing)
-
-    return _sp.gammaln(alpha + 1.0) - _sp.gammaln(i + 1.0) - _sp.gammaln(alpha - i + 1.0)
+    return _gammaln(alpha + 1.0) - _gammaln(i + 1.0) - _gammaln(alpha - i + 1.0)
 
 
 def _int_buckets(ints: np.ndarray) -> list[np.ndarray]:
@@ -151,8 +212,6 @@ def _int_buckets(ints: np.ndarray) -> list[np.ndarray]:
 
 @functools.lru_cache(maxsize=64)
 def _plan(orders_key: tuple[float, ...]) -> _Plan:
-    from scipy import special as _sp  # lazy (see _log_abs_comb): a warm untraced call never needs it
-
     orders = np.asarray(orders_key, dtype=np.float64)
     is_int = orders == np.floor(orders)
     groups = []
@@ -194,7 +253,9 @@ def _plan(orders_key: tuple[float, ...]) -> _Plan:
         slice_start = (m_max - a_int).astype(np.int64)
         kk = np.arange(2, 2 + _B2_TERMS, dtype=np.float64)
         b2 = np.exp(_log_abs_comb(alpha[:, None], kk[None, :]))
-        sign = np.sign(_sp.binom(alpha[:, None], kk[None, :])) * (-1.0) ** kk[None, :]
+        # sign C(α, k) for fractional α > 1: C(α, k) = Π_{j<k} (α - j)/k! has k - ⌈α⌉ negative
+        # factors when k > ⌈α⌉ (exact in integers; SciPy's binom gave the same signs).
+        sign = (-1.0) ** np.maximum(kk[None, :] - np.ceil(alpha)[:, None], 0.0) * (-1.0) ** kk[None, :]
         frac = _FracPlan(
             positions=frac_pos,
             alpha=alpha,

@@ -223,3 +223,49 @@ def test_cached_plans_are_read_only():
     for arr in arrays:
         with pytest.raises(ValueError, match="read-only"):
             arr[0] = 0
+
+
+def test_shipped_gammaln_table_is_scipys_and_builds_the_default_plan(monkeypatch, tmp_path):
+    # The default orders' plan reads log Γ from a shipped table instead of importing
+    # scipy.special (a fresh process's first ε). The table must hold SciPy's own numbers, and
+    # every plan built from it must equal, array for array, the plan built with SciPy.
+    import dataclasses
+
+    from scipy import special as sp
+
+    from jaxdp.accounting import _rdp
+
+    args, values = _rdp._gammaln_table()
+    assert np.all(np.diff(args) > 0) and np.array_equal(values, sp.gammaln(args))
+    rebuilt = _rdp._write_gammaln_table(str(tmp_path / "table.npy"))  # the generator writes the same table
+    assert np.array_equal(rebuilt, _rdp._gammaln_table())
+
+    def arrays(plan):
+        groups = [*plan.int_groups, plan.frac]
+        return [np.asarray(getattr(g, f.name)) for g in groups for f in dataclasses.fields(g)]
+
+    rng = np.random.default_rng(21)
+    keys = [tuple(DEFAULT_ORDERS.tolist()), (1.5, 2.0, 3.0, 17.0)]
+    keys += [tuple(np.sort(rng.choice(DEFAULT_ORDERS, size=12, replace=False)).tolist()) for _ in range(4)]
+    keys += [(1.25, 2.75, 33.3, 70.0)]  # arguments outside the table: SciPy
+    with_scipy = []
+    monkeypatch.setattr(_rdp, "_gammaln", _rdp._scipy_gammaln)
+    for key in keys:
+        with_scipy.append(arrays(_rdp._plan.__wrapped__(key)))
+    monkeypatch.undo()
+
+    def no_scipy(x):
+        raise AssertionError("the default orders' plan should not need SciPy")
+
+    for key, ref in zip(keys, with_scipy):
+        if set(key) <= set(DEFAULT_ORDERS.tolist()):
+            monkeypatch.setattr(_rdp, "_scipy_gammaln", no_scipy)
+        got = arrays(_rdp._plan.__wrapped__(key))
+        monkeypatch.undo()
+        assert len(got) == len(ref) and all(np.array_equal(a, b) for a, b in zip(got, ref)), key
+    # The b2 coefficients' signs are computed in integers: SciPy's binom agrees on random orders.
+    alpha = rng.uniform(1.0, 2000.0, 500)
+    alpha = alpha[alpha != np.floor(alpha)]
+    k = np.arange(2, 34.0)
+    sign = (-1.0) ** np.maximum(k[None, :] - np.ceil(alpha)[:, None], 0.0)
+    assert np.array_equal(sign, np.sign(sp.binom(alpha[:, None], k[None, :])))
