@@ -155,7 +155,7 @@ def _gammaln(x) -> np.ndarray:
 def _write_gammaln_table(path: str = _GAMMALN_TABLE) -> np.ndarray:
     """Write the table of ``_GAMMALN_TABLE``: SciPy's gammaln at every argument that building
     the plan of ``DEFAULT_ORDERS`` evaluates (recorded while building it with SciPy)."""
-    from scipy import special as _sp
+    from scipy import special as _sp  # lazy: only when (re)writing the table
 
     seen = []
 
