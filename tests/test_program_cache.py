@@ -14,6 +14,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 import jaxdp.accounting as A
 from jaxdp import _program_cache
@@ -45,12 +46,20 @@ def _files(folder) -> list[str]:
     return sorted(os.listdir(path)) if os.path.isdir(path) else []
 
 
-def test_a_second_process_loads_the_programs_and_gets_the_same_bits(tmp_path):
-    cache = str(tmp_path / "cache")
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """A first process on an empty cache folder, then a second one on what it wrote: both tests
+    below read the same two runs (each child costs ~1.7 CPU-s, mostly importing and compiling)."""
+    cache = str(tmp_path_factory.mktemp("two_processes") / "cache")
     first = _child(cache)
+    files, index = _files(cache), sorted(os.listdir(os.path.join(cache, "index")))
+    return cache, first, files, index, _child(cache)
+
+
+def test_a_second_process_loads_the_programs_and_gets_the_same_bits(two_processes):
+    cache, first, files, _, second = two_processes
     assert first["compiled"] == 2 and first["loaded"] == 0
-    assert len(_files(cache)) == 2 and all(f.endswith(".xla") for f in _files(cache))
-    second = _child(cache)
+    assert len(files) == 2 and all(f.endswith(".xla") for f in files)
     assert second["loaded"] == 2 and second["compiled"] == 0
     off = _child("off")
     assert off["loaded"] == 0  # compiled in memory only
@@ -123,12 +132,10 @@ def test_off_writes_nothing(tmp_path, monkeypatch):
     assert _program_cache.cache_dir() == os.path.join(str(tmp_path), "jaxdp", "programs")
 
 
-def test_a_warm_process_loads_without_tracing_and_gets_the_same_bits(tmp_path):
-    cache = str(tmp_path / "cache")
-    first = _child(cache)
+def test_a_warm_process_loads_without_tracing_and_gets_the_same_bits(two_processes):
+    _, first, _, index, second = two_processes
     assert first["untraced"] == 0
-    assert len(os.listdir(os.path.join(cache, "index"))) == 2  # one entry per program, beside programs/
-    second = _child(cache)
+    assert len(index) == 2  # one entry per program, beside programs/
     assert second["untraced"] == 2 and second["loaded"] == 2 and second["compiled"] == 0
     assert (first["eps"], first["ev"]) == (second["eps"], second["ev"])
 

@@ -238,7 +238,11 @@ def _power_round(carry):
 
 def _series_power_fixed(lf, one, t):
     """f^t in log space by 31 rounds of binary powering (t < 2^31); differentiable in reverse mode."""
-    return jax.lax.fori_loop(0, 31, lambda i, c: _power_round(c), (one, lf, t))[0]
+    return jax.lax.fori_loop(0, 31, _power_round_step, (one, lf, t))[0]
+
+
+def _power_round_step(i, carry):
+    return _power_round(carry)
 
 
 @jax.custom_jvp
@@ -250,16 +254,31 @@ def _series_power(lf, one, t):
     used): the same operations on the same values, so the same bits. A while loop has no
     reverse-mode derivative, so derivatives are those of the fixed 31 rounds.
     """
+    # The loop's functions live at module level: an eager call then finds the loop JAX
+    # compiled at an earlier call (functions defined here were new objects at every call).
+    return jax.lax.while_loop(_bits_left, _power_round_skipping, (one, lf, t))[0]
 
-    def body(carry):
-        acc, base, rem = carry
-        bit = jnp.mod(rem, 2.0) == 1.0
-        acc = jnp.where(bit, _log_series_mul(acc, base), acc)
-        rem = jnp.floor(rem / 2.0)
-        base = jax.lax.cond(rem > 0.0, lambda b: _log_series_mul(b, b), lambda b: b, base)
-        return acc, base, rem
 
-    return jax.lax.while_loop(lambda carry: carry[2] > 0.0, body, (one, lf, t))[0]
+def _bits_left(carry):
+    return carry[2] > 0.0
+
+
+def _square(b):
+    return _log_series_mul(b, b)
+
+
+def _unchanged(b):
+    return b
+
+
+def _power_round_skipping(carry):
+    """One round of :func:`_series_power`: as :func:`_power_round`, squaring only while bits remain."""
+    acc, base, rem = carry
+    bit = jnp.mod(rem, 2.0) == 1.0
+    acc = jnp.where(bit, _log_series_mul(acc, base), acc)
+    rem = jnp.floor(rem / 2.0)
+    base = jax.lax.cond(rem > 0.0, _square, _unchanged, base)
+    return acc, base, rem
 
 
 @_series_power.defjvp
@@ -592,6 +611,17 @@ def _alloc_one(orders_np, t, sigma, direction: str):
     return out[0] if len(out) == 1 else jnp.maximum(out[0], out[1])
 
 
+@functools.lru_cache(maxsize=64)
+def _map_body(orders_key: tuple, direction: str, both_directions: bool):
+    """The lax.map body of :func:`_alloc_rdp`, one function object per orders grid and direction:
+    eager calls then find the loop JAX compiled at the first one (a fresh lambda per call
+    compiled it again). The same operations on the same values."""
+    orders_np = np.asarray(orders_key, dtype=np.float64)
+    if both_directions:
+        return lambda ts: jnp.stack(_alloc_dirs(orders_np, ts[0], ts[1], direction))
+    return lambda ts: _alloc_one(orders_np, ts[0], ts[1], direction)
+
+
 def _alloc_rdp(orders_np, t, sigma, direction: str = "both", selected: int = 1):
     shape = jnp.broadcast_shapes(jnp.shape(t), jnp.shape(sigma))
     tf = jnp.broadcast_to(t, shape).reshape(-1)
@@ -601,7 +631,7 @@ def _alloc_rdp(orders_np, t, sigma, direction: str = "both", selected: int = 1):
     s_s = jnp.where(valid, sf, 1.0)
     if selected == 1:
         # One configuration at a time (a few MB of work arrays each), a few in parallel.
-        curve = jax.lax.map(lambda ts: _alloc_one(orders_np, ts[0], ts[1], direction), jnp.stack([t_s, s_s], axis=1),
+        curve = jax.lax.map(_map_body(tuple(orders_np.tolist()), direction, False), jnp.stack([t_s, s_s], axis=1),
                             batch_size=_MAP_BATCH)
     else:
         # k of t: k − r epochs of 1 of m and r of 1 of m + 1 steps, per direction (m = ⌊t/k⌋,
@@ -609,7 +639,7 @@ def _alloc_rdp(orders_np, t, sigma, direction: str = "both", selected: int = 1):
         m = jnp.floor(t_s / selected)
         r = t_s - selected * m
         n = t_s.shape[0]
-        both = jax.lax.map(lambda ts: jnp.stack(_alloc_dirs(orders_np, ts[0], ts[1], direction)),
+        both = jax.lax.map(_map_body(tuple(orders_np.tolist()), direction, True),
                            jnp.stack([jnp.concatenate([m, m + 1.0]), jnp.concatenate([s_s, s_s])], axis=1),
                            batch_size=_MAP_BATCH)  # (2n, directions, orders)
         lo_w = (selected - r)[:, None, None]
