@@ -283,3 +283,44 @@ def sgm_pld_epsilon_lower(q: float, sigma: float, steps: int, delta: float, *, s
     if delta_of(0.0) <= delta:
         return 0.0
     return float(brentq(lambda e: np.log(delta_of(e)) - math.log(delta), 0.0, hi - 1e-9))
+
+
+def sampled_approx_dp_epsilon(q: float, eps0: float, delta0: float, k: int, delta: float) -> float:
+    r"""Exact ε(δ) of ``k`` Poisson-sampled (ε₀, δ₀)-DP steps (add/remove, both directions), in NumPy.
+
+    Independent of jaxdp. The (ε₀, δ₀) pair (Kairouz, Oh, Viswanath 2015) has four outcomes,
+    P = (δ₀, w₊, w₋, 0) and Q = (0, w₋, w₊, δ₀) with w₊ = (1 − δ₀)e^{ε₀}/(1 + e^{ε₀}),
+    w₋ = (1 − δ₀)/(1 + e^{ε₀}); sampled, the remove pair is ((1 − q)Q + qP, Q) and the add
+    pair its swap. The k-fold product is enumerated by outcome counts (a multinomial over
+    four outcomes, k³/6 terms), δ(ε) = Σ (P^k − e^ε Q^k)₊ summed exactly in float64, and
+    ε solved by ``brentq`` to 1e-14 (δ(ε) is decreasing). Practical for k ≤ ~200.
+    """
+    import numpy as np
+    from scipy.optimize import brentq
+    from scipy.special import gammaln
+
+    w_hi = (1 - delta0) * np.exp(eps0) / (1 + np.exp(eps0))
+    w_lo = (1 - delta0) / (1 + np.exp(eps0))
+    p = np.array([delta0, w_hi, w_lo, 0.0])
+    qq = np.array([0.0, w_lo, w_hi, delta0])
+    pm = (1 - q) * qq + q * p
+    counts = np.array([(a, b, c, k - a - b - c) for a in range(k + 1) for b in range(k + 1 - a)
+                       for c in range(k + 1 - a - b)], float)
+    log_c = gammaln(k + 1) - gammaln(counts + 1).sum(1)
+
+    def log_prob(v):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            t = counts * np.log(v)[None, :]
+        t[:, v == 0] = np.where(counts[:, v == 0] > 0, -np.inf, 0.0)
+        return log_c + t.sum(1)
+
+    out = []
+    for first, second in ((pm, qq), (qq, pm)):  # remove, add
+        la, lb = log_prob(first), log_prob(second)
+
+        def hockey(eps):
+            return float(np.sum(np.maximum(np.exp(la) - np.exp(eps + lb), 0.0)))
+
+        out.append(0.0 if hockey(0.0) <= delta else
+                   brentq(lambda e: hockey(e) - delta, 0.0, 200.0, xtol=1e-14, rtol=1e-13))
+    return max(out)

@@ -291,7 +291,7 @@ def _one_value(kinds, sizes, n, tau, estimate, what, *xs):
     if what == "delta":
         res = [delta_read(c, query, estimate) for c in composed]
     else:
-        res = [epsilon_read(c, query) for c in composed]
+        res = [epsilon_read(c, query, estimate) for c in composed]
     out = res[0] if len(res) == 1 else jnp.maximum(res[0], res[1])
     return jnp.where(valid, out, jnp.nan)
 

@@ -523,11 +523,16 @@ def _tail_sums(r, h):
     return s_incl - r, d
 
 
-def epsilon_read(c: Composed, target):
+def epsilon_read(c: Composed, target, estimate="upper"):
     """Smallest ε ≥ 0 with δ(ε) ≤ target on the discrete curve (+inf if none on the grid).
 
     Between bins ε_{j-1} < ε ≤ ε_j the curve is :math:`δ(ε) = X + S - e^{ε} T` with
     S, T the sums of r_i and r_i e^{-ε_i} over i ≥ j: solved exactly there.
+
+    ``estimate="lower"``: ε is certified from below only where the lower curve exceeds the
+    target at some bin of the window (the true ε is above that bin). Where it does not, even
+    at the window's bottom, the window says nothing about smaller ε and the answer is the
+    solution on the first interval if it lies in it, else 0.
     """
     r, e = c.probs, c.losses
     n = r.shape[0]
@@ -560,8 +565,14 @@ def epsilon_read(c: Composed, target):
     sol = jnp.minimum(sol, e_star)  # δ(e_star) ≤ target was checked on the grid
     # Never below the bin before: at the window's bottom ε_0 the mass below the window (not
     # held) has losses ≤ ε_0 - h, so the curve is exact down to there and no further.
-    sol = jnp.maximum(sol, e_star - h)
-    out = jnp.maximum(sol, 0.0)
+    # (The lower bound: only where some bin's lower curve exceeds the target, first > 0; at
+    # first = 0 the true curve below the window is unknown, so a solution below ε_0 - h is
+    # replaced by the trivial 0, never raised to ε_0 - h: that was above the true ε for
+    # Poisson-sampled (ε, δ) events whose lower window lay above the answer.)
+    clamped = jnp.maximum(sol, e_star - h)
+    if estimate == "lower":
+        clamped = jnp.where((first > 0) | (sol >= e_star - h), clamped, 0.0)
+    out = jnp.maximum(clamped, 0.0)
     return jnp.where(any_ok & (c.extra < target), out, jnp.inf)
 
 

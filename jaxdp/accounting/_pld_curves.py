@@ -249,6 +249,13 @@ def masses(kind, params, eps_grid, h, direction, estimate, cut_loss=None):
         return _merged_buckets(kind, params, eps_grid, h, direction, beyond)
     s = jnp.clip(curve(kind, params, eps_grid, direction, "lower"), 0.0, 1.0)
     p = jnp.concatenate([s[:-1] - s[1:], s[-1:]])
+    if beyond is not None:
+        # The mass above the cut, P(L > cut), at the cut's own bin (its loss lowered to the
+        # cut), nothing above: the differences there are 0 but the last bin would hold it,
+        # raising losses between the cut and the grid's top (δ over-stated: the lower bound
+        # of Poisson-sampled (ε, δ) events was above the true ε).
+        at_cut = beyond & ~jnp.concatenate([jnp.zeros((1,), dtype=bool), beyond[:-1]])
+        p = jnp.where(beyond, jnp.where(at_cut, s, 0.0), p)
     return p, jnp.zeros(()), jnp.full((), 0.5)
 
 
