@@ -33,8 +33,8 @@ Upper bound (``estimate="upper"``, the default; a proof sketch, see docs/pld.md)
 5. Two directions for add/remove-one Poisson sampling, each planned and composed on its
    own; δ and ε are the larger (dp_accounting does the same). Both directions run through
    one traced body (``lax.scan`` over the direction's sign), so XLA compiles the plan and the
-   upper bound's composition and read-out once, not twice (about half the program, the same
-   values).
+   upper bound's composition and read-out once, not twice (about half the program; the same
+   arithmetic, XLA's fusion in the loop body moves some values in the last bits: docs/pld.md).
 
 So ``delta(..., accountant="pld")`` is an upper bound on the true δ(ε) and
 ``epsilon(..., accountant="pld")`` (the exact root of δ(ε) = target on the discrete curve)

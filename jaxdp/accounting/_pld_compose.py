@@ -326,7 +326,7 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
     plans, spans, stats = {}, [], {}
     if objective and len(direction_list) == 2:
         # Both directions through one traced body (``lax.scan`` over the sign, the ranges as
-        # computed above): half the program XLA compiles for the plan, the same values.
+        # computed above): half the program XLA compiles for the plan.
         def step(carry, x):
             sign, ends = x
             plan, span_d, _ = per_direction(sign, [(b, t) for b, t in ends], log_dt)
@@ -488,7 +488,8 @@ def compose(kinds, params, counts, n, tau, estimate, query, what, stages=1, read
     if two_stage or len(dirs) == 1 or estimate == "lower":
         return [per_direction(d, plans[d]) for d in dirs]
     # Both directions through one traced body (``lax.scan`` over the sign): half the program
-    # XLA compiles for the composition and the read-out, the same values.
+    # XLA compiles for the composition and the read-out (the same arithmetic; docs/pld.md
+    # "Directions" for the last bits XLA's fusion moves).
     stacked = tuple(jnp.stack([plans[d][i] for d in dirs]) for i in range(len(plans[dirs[0]])))
     _, out = jax.lax.scan(lambda carry, x: (carry, per_direction(x[0], x[1])), None, (f64([1.0, -1.0]), stacked))
     return [out[0], out[1]]

@@ -58,7 +58,8 @@ def sign_of(direction):
     The curves below take either: a traced sign lets one traced body serve both directions
     (``lax.scan`` over them in ``_pld_compose``), a string keeps the direction static. The
     formulas of the two directions differ by exact operations only (negation, ×±1,
-    selects), so both forms give the same bits.
+    selects): the same arithmetic per element. (Compiled, the values can still move in the
+    last bits where XLA fuses a loop body differently; see docs/pld.md "Directions".)
     """
     if isinstance(direction, str):
         return {"remove": 1.0, "add": -1.0}[direction]
@@ -246,7 +247,7 @@ def masses(kind, params, eps_grid, h, direction, estimate, cut_loss=None):
     if estimate == "upper":
         # δ(ε), and g(ε) = e^ε δ_reverse(-ε): the hockey stick of the swapped pair (Q, P), from
         # one evaluation of the curve on the stacked arguments (one traced copy of its special
-        # functions; elementwise, so the same values as two).
+        # functions; elementwise, the same arithmetic as two calls).
         if kind.startswith("sampled_"):
             sign = sign_of(direction)
             direction = jnp.stack([jnp.asarray(sign, eps_grid.dtype), jnp.asarray(-sign, eps_grid.dtype)])[:, None]

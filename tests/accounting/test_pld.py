@@ -514,8 +514,8 @@ def test_both_directions_trace_one_body():
     # Issue 21 (a fresh process's first PLD ε is mostly XLA compiling it): the add and remove
     # directions run through one traced body (lax.scan over the direction's sign), so a
     # Poisson-sampled event's program holds one rfft/irfft pair, not one per direction, and
-    # the masses' two curve evaluations are one (stacked). Values: bit-identical to the
-    # per-direction form (checked on ~3,000 configurations when this was written).
+    # the masses' two curve evaluations are one (stacked). (Values against the per-direction
+    # form: docs/pld.md "Directions".)
     closed = jax.make_jaxpr(lambda d: A.epsilon(A.dpsgd_event(0.01, 1.1, 1000), d, accountant="pld",
                                                 grid_size=SMALL))(1e-5)
     assert _count_primitive(closed.jaxpr, "fft") == 2
