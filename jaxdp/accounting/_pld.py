@@ -30,8 +30,11 @@ Upper bound (``estimate="upper"``, the default; a proof sketch, see docs/pld.md)
 4. *Floating point.* The normwise FFT round-off bound (Higham 2002, §24.1) is added to every
    *tilted* bin before untilting, so each mass's error is relative to the hockey stick near
    the answer, whatever δ (a rounding model, not an interval-arithmetic proof).
-5. Two directions for add/remove-one Poisson sampling, each composed on its own; δ and ε
-   are the larger (dp_accounting does the same).
+5. Two directions for add/remove-one Poisson sampling, each planned and composed on its
+   own; δ and ε are the larger (dp_accounting does the same). Both directions run through
+   one traced body (``lax.scan`` over the direction's sign), so XLA compiles the plan and the
+   upper bound's composition and read-out once, not twice (about half the program; the same
+   arithmetic, XLA's fusion in the loop body moves some values in the last bits: docs/pld.md).
 
 So ``delta(..., accountant="pld")`` is an upper bound on the true δ(ε) and
 ``epsilon(..., accountant="pld")`` (the exact root of δ(ε) = target on the discrete curve)
@@ -287,11 +290,11 @@ def _one_value(kinds, sizes, n, tau, estimate, what, *xs):
         valid &= _valid(kd, p_) & (k >= 0)
     # "upper2": the two-stage upper bound (``stages=2``, _pld_stages.py).
     stages, estimate = (2, "upper") if estimate == "upper2" else (1, estimate)
-    composed = compose(kinds, params, counts, n, tau, estimate, query, what, stages)
     if what == "delta":
-        res = [delta_read(c, query, estimate) for c in composed]
+        read = functools.partial(delta_read, eps=query, estimate=estimate)
     else:
-        res = [epsilon_read(c, query, estimate) for c in composed]
+        read = functools.partial(epsilon_read, target=query, estimate=estimate)
+    res = compose(kinds, params, counts, n, tau, estimate, query, what, stages, read)
     out = res[0] if len(res) == 1 else jnp.maximum(res[0], res[1])
     return jnp.where(valid, out, jnp.nan)
 

@@ -1,11 +1,14 @@
 r"""PLD composition in the exponentially tilted domain, and the δ(ε) / ε(δ) read-outs.
 
 :func:`compose` takes mechanisms as ``(kind, params, count)`` (see ``_pld_curves``), plans a
-window and a tilt from the event and the query (:func:`_plan`), composes by FFT and returns
-per direction a :class:`Composed` (masses on loss bins plus the mass counted at +∞);
-:func:`delta_read` and :func:`epsilon_read` answer from it. This is the internal API a new
-event's PLD calls: build its components, ``compose(kinds, params, counts, n, tau, estimate,
-query, what)``, then read. Proof sketch: the module docstring of ``_pld.py`` and docs/pld.md.
+window and a tilt from the event and the query (:func:`_plan`), composes by FFT into a
+:class:`Composed` per direction (masses on loss bins plus the mass counted at +∞) and returns
+a read-out of each: :func:`delta_read` and :func:`epsilon_read` answer from it. This is the
+internal API a new event's PLD calls: build its components, then ``compose(kinds, params,
+counts, n, tau, estimate, query, what, stages, read)``. Where both add/remove directions are
+needed, one traced body serves both (``lax.scan`` over the direction's sign, ±1; the curves
+of ``_pld_curves`` take the sign), for the plan and for the upper bound's composition with
+its read-out: XLA compiles each once. Proof sketch: the module docstring of ``_pld.py`` and docs/pld.md.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._numerics import f64
-from ._pld_curves import directions, lse, masses, tilted_fft
+from ._pld_curves import by_direction, directions, lse, masses, sign_of, tilted_fft
 from ._pld_stages import block_plan, blocks
 
 _U = float(np.finfo(np.float64).eps)
@@ -83,14 +86,13 @@ def _single_range(kind, params, direction, z):
     lq = jnp.log1p(-jnp.minimum(q, 1.0 - 1e-16))
     lq = jnp.where(q < 1.0, lq, -1e300)
     logq = jnp.log(q)
+    sign = sign_of(direction)
     if kind == "sampled_gaussian":
         mu = 1.0 / params[-1]
-        if direction == "remove":
-            b = jnp.maximum(lq, logq - 0.5 * mu * mu - z * mu)
-            t = jnp.logaddexp(lq, logq + mu * z + 0.5 * mu * mu)
-        else:
-            t = jnp.minimum(-lq, -logq + 0.5 * mu * mu + z * mu)
-            b = -jnp.logaddexp(lq, logq + mu * z - 0.5 * mu * mu)
+        b = by_direction(sign, jnp.maximum(lq, logq - 0.5 * mu * mu - z * mu),
+                  -jnp.logaddexp(lq, logq + mu * z - 0.5 * mu * mu))
+        t = by_direction(sign, jnp.logaddexp(lq, logq + mu * z + 0.5 * mu * mu),
+                  jnp.minimum(-lq, -logq + 0.5 * mu * mu + z * mu))
         return b, t
     if kind == "sampled_laplace":
         lo, hi = -1.0 / params[1], 1.0 / params[1]
@@ -98,7 +100,7 @@ def _single_range(kind, params, direction, z):
         lo, hi = -params[1], params[1]
     lo_s = jnp.logaddexp(lq, logq + lo)
     hi_s = jnp.logaddexp(lq, logq + hi)
-    return (lo_s, hi_s) if direction == "remove" else (-hi_s, -lo_s)
+    return by_direction(sign, lo_s, -hi_s), by_direction(sign, hi_s, -lo_s)
 
 
 
@@ -156,19 +158,20 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
     h1 = span_s / (n1 - 2)
     j1 = jnp.arange(n1, dtype=jnp.float64)
     thetas = f64(_THETAS) / span_s
-    plans, spans, stats = {}, [], {}
     # (``objective=False``: the s12 plan, kept for the two-stage composition, whose block plan
     # was tuned on it.)
     smooth = objective and all(kd in _SMOOTH for kd in kinds)
     log_m_worst = math.log(8.0 * _U * (math.log2(n) + 2.0) * (math.sqrt(2.0 * n) + 1.0) + 4.0 * n * _U) + jnp.log1p(k_tot)
-    for d in direction_list:
+
+    def per_direction(d, rng, log_dt):
+        """The plan of one direction (``d`` a string or a traced sign, ``rng`` its mechanisms' ranges)."""
         lam_mgf = jnp.zeros(thetas.shape)
         neg_mgf = jnp.zeros(thetas.shape)
         parts, one_mgf = [], []
-        for kd, p_, k, (b, _) in zip(kinds, params, ks, ranges[d]):
+        for kd, p_, k, (b, _) in zip(kinds, params, ks, rng):
             o1 = jnp.floor(b / h1)
             grid = (o1 + j1) * h1
-            p = masses(kd, p_, grid, h1, d, "upper", _cut(o1, ranges[d][len(parts)][1], h1, n1))[0]
+            p = masses(kd, p_, grid, h1, d, "upper", _cut(o1, rng[len(parts)][1], h1, n1))[0]
             logp = jnp.where(p > 0, jnp.log(jnp.where(p > 0, p, 1.0)), -jnp.inf)
             pos_c = lse(logp[None, :], thetas[:, None] * grid[None, :])
             neg_c = lse(logp[None, :], -thetas[:, None] * grid[None, :])
@@ -314,17 +317,38 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
             span_d = jnp.where(use_new, span_new, span_old)
         else:
             lam, span_d = lam_old, span_old
-        plans[d] = (lam, top, bottom, log_dt, th_top)
-        spans.append(span_d)
         # Per mechanism, for the two-stage composition's block windows (_pld_stages.py):
         # its own discrete log-MGF on the ladder (±θ) and its mean and variance tilted by λ.
-        stats[d] = [(pos_c, neg_c, m_t, v_t, logp, grid)
-                    for (pos_c, neg_c), (m_t, v_t), (logp, grid, _) in zip(one_mgf, tilted, parts)]
+        stats_d = [(pos_c, neg_c, m_t, v_t, logp, grid)
+                   for (pos_c, neg_c), (m_t, v_t), (logp, grid, _) in zip(one_mgf, tilted, parts)]
+        return (lam, top, bottom, log_dt, th_top), span_d, stats_d
+
+    plans, spans, stats = {}, [], {}
+    if smooth and len(direction_list) == 2:
+        # Both directions through one traced body (``lax.scan`` over the sign, the ranges as
+        # computed above): half the program XLA compiles for the plan. (Gaussian kinds only:
+        # XLA fuses the loop body differently, which moves the plan's last bits; for events
+        # with atoms, Poisson-sampled (ε, δ), that moved ε by up to 7e-9 relative, so they
+        # keep one traced copy per direction, bit-identical to session 15.)
+        def step(carry, x):
+            sign, ends = x
+            plan, span_d, _ = per_direction(sign, [(b, t) for b, t in ends], log_dt)
+            return carry, (plan, span_d)
+
+        xs = (f64([1.0, -1.0]),
+              [tuple(jnp.stack([ranges[d][c][i] for d in direction_list]) for i in (0, 1)) for c in range(len(kinds))])
+        _, (per, span_ds) = jax.lax.scan(step, None, xs)
+        plans = {d: tuple(v[i] for v in per) for i, d in enumerate(direction_list)}
+        spans = [span_ds[0], span_ds[1]]
+    else:
+        for d in direction_list:
+            plans[d], span_d, stats[d] = per_direction(d, ranges[d], log_dt)
+            spans.append(span_d)
     span_c = jnp.max(jnp.stack(spans))
     return span_s, span_c, plans, z, stats, thetas
 
 
-def compose(kinds, params, counts, n, tau, estimate, query, what, stages=1):
+def compose(kinds, params, counts, n, tau, estimate, query, what, stages=1, read=None):
     r"""Per direction, the composed discrete PLD on a window, computed in the tilted domain.
 
     Each mechanism's masses :math:`p_{c,i}` on its grid :math:`ℓ_i = (o_c + i)h` are tilted,
@@ -343,6 +367,10 @@ def compose(kinds, params, counts, n, tau, estimate, query, what, stages=1):
     :math:`\min_θ e^{Λ(θ) - θ\,top}` from the discrete moment generating functions).
     Mass below the window has loss below every ε read off it (ε is never reported below
     the window's bottom), so it does not count.
+
+    Returns:
+      ``[read(Composed) per direction]`` (remove, then add where the kinds are sampled);
+      ``read`` maps a :class:`Composed` to arrays (e.g. :func:`epsilon_read` at the target).
     """
     dirs = directions(kinds)
     two_stage = estimate == "upper" and stages == 2
@@ -359,9 +387,10 @@ def compose(kinds, params, counts, n, tau, estimate, query, what, stages=1):
     h = jnp.where(jnp.isfinite(h) & (h > 0), h, 1.0)
     w_all = n * h
     j = jnp.arange(n, dtype=jnp.float64)
-    out = []
-    for direction in dirs:
-        lam, top_need, bottom_need, log_dt, th_top = jax.lax.stop_gradient(plans[direction])
+
+    def per_direction(direction, plan):
+        """``read`` of one direction's composition (``direction`` a string or a traced sign)."""
+        lam, top_need, bottom_need, log_dt, th_top = jax.lax.stop_gradient(plan)
         # Tilt at least so much that the folded-up bulk (≤ e^{-λW}) is far below δ.
         if estimate == "lower":  # a smaller tilt folds less mass down (see _fold_down)
             lam = jnp.minimum(lam, jnp.maximum((_FOLD_LOG_LOWER - log_dt) / w_all, 0.5 * lam))
@@ -455,8 +484,19 @@ def compose(kinds, params, counts, n, tau, estimate, query, what, stages=1):
             log_below = jnp.minimum(jnp.min(neg_mgf + thetas * bottom), 0.0)
             extra = -jnp.exp(log_below - lam * w_all) / -jnp.expm1(-lam * w_all)
             fold = functools.partial(_fold_down, log_mgf[1:], thetas[1:], lam, w_all)
-        out.append(Composed(probs, losses, extra, fold, l2))
-    return out
+        return read(Composed(probs, losses, extra, fold, l2))
+
+    # (The lower bound keeps one traced copy per direction: scanned, XLA fuses its merged
+    # buckets differently and moves its last bits, up to 1.3e-10 relative, on DP-SGD; so do
+    # events with atoms, see the plan.)
+    if two_stage or len(dirs) == 1 or estimate == "lower" or not all(kd in _SMOOTH for kd in kinds):
+        return [per_direction(d, plans[d]) for d in dirs]
+    # Both directions through one traced body (``lax.scan`` over the sign): half the program
+    # XLA compiles for the composition and the read-out (the same arithmetic; docs/pld.md
+    # "Directions" for the last bits XLA's fusion moves).
+    stacked = tuple(jnp.stack([plans[d][i] for d in dirs]) for i in range(len(plans[dirs[0]])))
+    _, out = jax.lax.scan(lambda carry, x: (carry, per_direction(x[0], x[1])), None, (f64([1.0, -1.0]), stacked))
+    return [out[0], out[1]]
 
 
 def _fold_down(log_mgf, thetas, lam, w_all, eps):

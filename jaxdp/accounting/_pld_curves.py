@@ -41,32 +41,63 @@ def _delta_gauss(eps, mu):
 
 
 def _sgm_y(eps, q, sign):
-    """y = log((e^{±ε} - 1 + q)/q) where defined (double-where outside), and the mask."""
+    """y = log((e^{±ε} - 1 + q)/q) where defined (double-where outside), and the mask.
+
+    ``sign`` is +1 (remove: e^ε) or -1 (add: e^{-ε}), a number or a traced ±1.0.
+    """
     lq = jnp.log1p(-q)  # -inf at q = 1
-    inside = (sign * eps > lq) if sign > 0 else (eps < -lq)
+    inside = sign * eps > lq  # (for sign -1: ε < -log(1-q))
     e_s = jnp.where(inside, eps, jnp.where(sign > 0, 1.0, -1.0) + jnp.where(jnp.isfinite(lq), sign * lq, 0.0))
     y = jnp.log(jnp.expm1(sign * e_s) + q) - jnp.log(q)
     return y, inside
 
 
+def sign_of(direction):
+    """+1 for the remove direction, -1 for add; a traced sign (±1.0) is returned as it is.
+
+    The curves below take either: a traced sign lets one traced body serve both directions
+    (``lax.scan`` over them in ``_pld_compose``), a string keeps the direction static. The
+    formulas of the two directions differ by exact operations only (negation, ×±1,
+    selects): the same arithmetic per element. (Compiled, the values can still move in the
+    last bits where XLA fuses a loop body differently; see docs/pld.md "Directions".)
+    """
+    if isinstance(direction, str):
+        return {"remove": 1.0, "add": -1.0}[direction]
+    return direction
+
+
+def by_direction(sign, remove, add):
+    """``remove`` where the direction's sign is +1, else ``add`` (a select when traced)."""
+    if isinstance(sign, float):
+        return remove if sign > 0 else add
+    return jnp.where(sign > 0, remove, add)
+
+
+def _sampled_delta(eps, q, sign, d_in):
+    r"""δ of Poisson sampling at rate q of a symmetric pair with curve δ_in, either direction.
+
+    Remove: for ε > log(1-q), δ = q δ_in(y) with y = log((e^ε - 1 + q)/q); else 1 - e^ε.
+    Add: for ε < -log(1-q), δ = (1 - (1-q)e^ε) δ_in(-y'), y' = log((e^{-ε} - 1 + q)/q); else 0
+    (Balle, Barthe, Gaboardi 2018, Theorem 8 and its add form). The inner curve is evaluated
+    once, at sign·y.
+    """
+    q_s = jnp.where(q > 0, q, 1.0)
+    y, inside = _sgm_y(eps, q_s, sign)
+    pre = by_direction(sign, q_s, -jnp.expm1(eps + jnp.log1p(-q_s)))
+    outside = by_direction(sign, -jnp.expm1(jnp.minimum(eps, 0.0)), 0.0)
+    d = jnp.where(inside, pre * d_in(sign * y), outside)
+    # q = 0: the loss is 0 (δ = (1 - e^ε)_+).
+    return jnp.where(q > 0, d, -jnp.expm1(jnp.minimum(eps, 0.0)))
+
+
 def _delta_sgm(eps, q, sigma, direction):
     """δ of the Poisson-sampled Gaussian, remove (P = mixture) or add (Q = mixture) direction.
 
-    Remove: for ε > log(1-q), δ = q δ_G(y) with y = log((e^ε - 1 + q)/q), μ = 1/σ; else 1 - e^ε.
-    Add: for ε < -log(1-q), δ = (1 - (1-q)e^ε) δ_G(-y'), y' = log((e^{-ε} - 1 + q)/q); else 0.
-    (Substituting the threshold x* = σ²y + 1/2 of the monotone loss into
-    P(L > ε) - e^ε Q(L > ε) gives these Gaussian forms.)
+    :func:`_sampled_delta` with δ_in the Gaussian pair's (μ = 1/σ): substituting the
+    threshold x* = σ²y + 1/2 of the monotone loss into P(L > ε) - e^ε Q(L > ε) gives it.
     """
     mu = 1.0 / sigma
-    q_s = jnp.where(q > 0, q, 1.0)
-    if direction == "remove":
-        y, inside = _sgm_y(eps, q_s, 1)
-        d = jnp.where(inside, q_s * _delta_gauss(y, mu), -jnp.expm1(jnp.minimum(eps, 0.0)))
-    else:
-        y, inside = _sgm_y(eps, q_s, -1)
-        d = jnp.where(inside, -jnp.expm1(eps + jnp.log1p(-q_s)) * _delta_gauss(-y, mu), 0.0)
-    # q = 0: the loss is 0 (δ = (1 - e^ε)_+).
-    return jnp.where(q > 0, d, -jnp.expm1(jnp.minimum(eps, 0.0)))
+    return _sampled_delta(eps, q, sign_of(direction), lambda y: _delta_gauss(y, mu))
 
 
 def _delta_laplace(eps, b):
@@ -134,18 +165,9 @@ def _delta_sampled(kind, params, eps, direction):
     :math:`e^y = (e^ε - 1 + q)/q`, for ε > log(1-q), else 1 - e^ε. Add (Q vs P'):
     :math:`(1 - (1-q)e^ε)\,δ_{in}(-y')`, :math:`e^{y'} = (e^{-ε} - 1 + q)/q`, for
     ε < -log(1-q), else 0 (Balle, Barthe, Gaboardi 2018, Theorem 8 and its add form; the
-    same identities as the Poisson-sampled Gaussian's).
+    same identities as the Poisson-sampled Gaussian's, :func:`_sampled_delta`).
     """
-    q = params[0]
-    d_in = _inner(kind, params)[0]
-    q_s = jnp.where(q > 0, q, 1.0)
-    if direction == "remove":
-        y, inside = _sgm_y(eps, q_s, 1)
-        d = jnp.where(inside, q_s * d_in(y), -jnp.expm1(jnp.minimum(eps, 0.0)))
-    else:
-        y, inside = _sgm_y(eps, q_s, -1)
-        d = jnp.where(inside, -jnp.expm1(eps + jnp.log1p(-q_s)) * d_in(-y), 0.0)
-    return jnp.where(q > 0, d, -jnp.expm1(jnp.minimum(eps, 0.0)))
+    return _sampled_delta(eps, params[0], sign_of(direction), _inner(kind, params)[0])
 
 
 def _survival_sampled(kind, params, eps, direction):
@@ -158,13 +180,11 @@ def _survival_sampled(kind, params, eps, direction):
     q = params[0]
     _, surv, surv_ge = _inner(kind, params)
     q_s = jnp.where(q > 0, q, 1.0)
-    if direction == "remove":
-        y, inside = _sgm_y(eps, q_s, 1)
-        s = (1.0 - q_s) * (1.0 - surv_ge(-y)) + q_s * surv(y)
-        s = jnp.where(inside, s, 1.0)
-    else:
-        y, inside = _sgm_y(eps, q_s, -1)
-        s = jnp.where(inside, surv(-y), 0.0)
+    sign = sign_of(direction)
+    y, inside = _sgm_y(eps, q_s, sign)
+    # Remove: (1-q)(1 - P(L ≥ -y)) + q P(L > y), 1 outside; add: P(L > -y'), 0 outside.
+    s = by_direction(sign, (1.0 - q_s) * (1.0 - surv_ge(-y)) + q_s * surv(y), surv(-y))
+    s = jnp.where(inside, s, by_direction(sign, 1.0, 0.0))
     return jnp.where(q > 0, s, jnp.where(eps < 0, 1.0, 0.0))
 
 
@@ -211,9 +231,6 @@ def _ctd_complement(g, eps_grid, h):
     return left + right + last
 
 
-_REVERSE = {"remove": "add", "add": "remove"}
-
-
 def masses(kind, params, eps_grid, h, direction, estimate, cut_loss=None):
     """Masses on the grid and the mass at +∞ (pessimistic CTD, or optimistic buckets).
 
@@ -228,10 +245,15 @@ def masses(kind, params, eps_grid, h, direction, estimate, cut_loss=None):
         beyond = eps_grid >= cut_loss
         eps_grid = jnp.minimum(eps_grid, cut_loss)
     if estimate == "upper":
-        d = jnp.clip(curve(kind, params, eps_grid, direction, "upper"), 0.0, 1.0)
-        # g(ε) = e^ε δ_reverse(-ε): the hockey stick of the swapped pair (Q, P).
-        rev = _REVERSE[direction] if kind.startswith("sampled_") else direction
-        g = jnp.exp(jnp.minimum(eps_grid, 700.0)) * jnp.clip(curve(kind, params, -eps_grid, rev, "upper"), 0.0, 1.0)
+        # δ(ε), and g(ε) = e^ε δ_reverse(-ε): the hockey stick of the swapped pair (Q, P), from
+        # one evaluation of the curve on the stacked arguments (one traced copy of its special
+        # functions; elementwise, the same arithmetic as two calls).
+        if kind.startswith("sampled_"):
+            sign = sign_of(direction)
+            direction = jnp.stack([jnp.asarray(sign, eps_grid.dtype), jnp.asarray(-sign, eps_grid.dtype)])[:, None]
+        both = jnp.clip(curve(kind, params, jnp.stack([eps_grid, -eps_grid]), direction, "upper"), 0.0, 1.0)
+        d = both[0]
+        g = jnp.exp(jnp.minimum(eps_grid, 700.0)) * both[1]
         p_d = _ctd(d, h)
         p_g = _ctd_complement(g, eps_grid, h)
         # Each bin from the formula whose three inputs are smaller (round-off is relative to
@@ -323,18 +345,19 @@ def survival_pair(kind, params, eps, direction, probe=False):
         return None
     q, sigma = params
     q_s = jnp.where(q > 0, q, 1.0)
-    if direction == "remove":  # P = (1-q)N(0,1) + qN(μ,1), Q = N(0,1); L > ε ⟺ x > z0
-        y, inside = _sgm_y(eps, q_s, 1)
-        z0, z1 = sigma * y + 0.5 / sigma, sigma * y - 0.5 / sigma
-        sq = jnp.exp(log_ndtr(-z0))
-        sp = (1.0 - q_s) * sq + q_s * jnp.exp(log_ndtr(-z1))
-        sp, sq = jnp.where(inside, sp, 1.0), jnp.where(inside, sq, 1.0)
-    else:  # P = N(0,1), Q = (1-q)N(0,1) + qN(μ,1); L > ε ⟺ x < w
-        y, inside = _sgm_y(eps, q_s, -1)
-        w = sigma * y + 0.5 / sigma
-        sp = jnp.exp(log_ndtr(w))
-        sq = (1.0 - q_s) * sp + q_s * jnp.exp(log_ndtr(w - 1.0 / sigma))
-        sp, sq = jnp.where(inside, sp, 0.0), jnp.where(inside, sq, 0.0)
+    sign = sign_of(direction)
+    y, inside = _sgm_y(eps, q_s, sign)
+    # Remove: P = (1-q)N(0,1) + qN(μ,1), Q = N(0,1); L > ε ⟺ x > z0 = σy + 1/(2σ):
+    # Q(L > ε) = Φ(-z0), P(L > ε) = (1-q)Q(L > ε) + qΦ(-(σy - 1/(2σ))).
+    # Add: P = N(0,1), Q = (1-q)N(0,1) + qN(μ,1); L > ε ⟺ x < w = σy + 1/(2σ):
+    # P(L > ε) = Φ(w), Q(L > ε) = (1-q)P(L > ε) + qΦ(w - 1/σ).
+    w = sigma * y + 0.5 / sigma
+    one = jnp.exp(log_ndtr(-sign * w))
+    other = by_direction(sign, -(sigma * y - 0.5 / sigma), w - 1.0 / sigma)
+    mixed = (1.0 - q_s) * one + q_s * jnp.exp(log_ndtr(other))
+    sp, sq = by_direction(sign, mixed, one), by_direction(sign, one, mixed)
+    outside = by_direction(sign, 1.0, 0.0)
+    sp, sq = jnp.where(inside, sp, outside), jnp.where(inside, sq, outside)
     zero = jnp.where(eps < 0, 1.0, 0.0)
     return jnp.where(q > 0, sp, zero), jnp.where(q > 0, sq, zero)
 

@@ -495,3 +495,27 @@ def test_concrete_event_arithmetic_stays_on_the_host():
     assert float64(lambda: f64(1e-5))().weak_type is False
     out = jax.jit(lambda c: [k for _, _, k in float64(_pld._components)(A.dpsgd_event(0.01, 1.1, c))])(100.5)
     assert float(out[0]) == 101.0
+
+
+def _count_primitive(jaxpr, name):
+    """Equations of primitive ``name`` in a jaxpr and every jaxpr nested in its equations."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == name
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    count += _count_primitive(inner, name)
+    return count
+
+
+def test_both_directions_trace_one_body():
+    # Issue 21 (a fresh process's first PLD ε is mostly XLA compiling it): the add and remove
+    # directions run through one traced body (lax.scan over the direction's sign), so a
+    # Poisson-sampled event's program holds one rfft/irfft pair, not one per direction, and
+    # the masses' two curve evaluations are one (stacked). (Values against the per-direction
+    # form: docs/pld.md "Directions".)
+    closed = jax.make_jaxpr(lambda d: A.epsilon(A.dpsgd_event(0.01, 1.1, 1000), d, accountant="pld",
+                                                grid_size=SMALL))(1e-5)
+    assert _count_primitive(closed.jaxpr, "fft") == 2
