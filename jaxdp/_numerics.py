@@ -95,14 +95,20 @@ def _linearized(fn: Callable, primals, tangents) -> tuple:
     def nonlinear(*values):
         out, lin = jax.linearize(fn, *values)
         residuals, tree = jax.tree_util.tree_flatten(lin)
-        structure.append(tree)
+        # A Python number primal is float64 here, float32 outside (its tangent's dtype).
+        # (The array's own dtype: jnp.result_type would promote a weak float32 here.)
+        structure.append((tree, [v.dtype if hasattr(v, "dtype") else jnp.result_type(v) for v in values]))
         return out, residuals
 
     out, residuals = _call_guarded(nonlinear, list(primals))
     # Every trace of ``nonlinear`` (the call, its batching rule) has the same linear map of
     # one example; the first is used.
-    lin = jax.tree_util.tree_unflatten(structure[0], residuals)
+    tree, dtypes = structure[0]
+    lin = jax.tree_util.tree_unflatten(tree, residuals)
     with jax.enable_x64(True):
+        # (Exact: a float32 tangent widened to its float64 primal's dtype.)
+        tangents = [jax.lax.convert_element_type(t, dt) if jnp.issubdtype(dt, jnp.inexact) else t
+                    for t, dt in zip(tangents, dtypes)]
         return out, lin(*tangents)
 
 
