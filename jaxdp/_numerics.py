@@ -73,7 +73,9 @@ def _guarded(fn: Callable) -> Callable:
     def _jvp_rule(primals, tangents):
         if _differentiated(primals):
             raise SecondDerivativeX64Error(SECOND_DERIVATIVE_X64_MESSAGE)
-        return _linearized(fn, primals, _tangents_like(primals, tangents))
+        with jax.enable_x64(True):  # (a Python number primal is float64 here: so is its tangent)
+            tangents = _tangents_like(primals, tangents)
+        return _linearized(fn, primals, tangents)
 
     return differentiable
 
@@ -90,6 +92,11 @@ def _linearized(fn: Callable, primals, tangents) -> tuple:
     residuals that reverse mode transposes, and that rules re-bind in their operands'
     dtypes. (custom_vmap cannot be transposed, so the tangent cannot go through it.)
     """
+    if not any(isinstance(p, jax.core.Tracer) for p in primals):
+        # Concrete primals: nothing is staged that a later rule could re-bind (an outer vmap
+        # or jit would make them tracers); eager linearize would compile more programs.
+        with jax.enable_x64(True):
+            return jax.jvp(fn, tuple(primals), tuple(tangents))
     structure = []
 
     def nonlinear(*values):
@@ -107,8 +114,8 @@ def _linearized(fn: Callable, primals, tangents) -> tuple:
     lin = jax.tree_util.tree_unflatten(tree, residuals)
     with jax.enable_x64(True):
         # (Exact: a float32 tangent widened to its float64 primal's dtype.)
-        tangents = [jax.lax.convert_element_type(t, dt) if jnp.issubdtype(dt, jnp.inexact) else t
-                    for t, dt in zip(tangents, dtypes)]
+        tangents = [jax.lax.convert_element_type(t, dt) if jnp.issubdtype(dt, jnp.inexact) and t.dtype != dt
+                    else t for t, dt in zip(tangents, dtypes)]
         return out, lin(*tangents)
 
 
