@@ -71,15 +71,52 @@ def _guarded(fn: Callable) -> Callable:
 
     @differentiable.defjvp
     def _jvp_rule(primals, tangents):
-        # Linearised inside the scope. Reverse mode transposes the resulting linear program
-        # outside it, which the library keeps safe (see :func:`take`). custom_vmap cannot be
-        # transposed, so the tangent is not routed through ``batchable``.
         if _differentiated(primals):
             raise SecondDerivativeX64Error(SECOND_DERIVATIVE_X64_MESSAGE)
-        with jax.enable_x64(True):
-            return jax.jvp(fn, primals, tuple(_tangents_like(primals, tangents)))
+        with jax.enable_x64(True):  # (a Python number primal is float64 here: so is its tangent)
+            tangents = _tangents_like(primals, tangents)
+        return _linearized(fn, primals, tangents)
 
     return differentiable
+
+
+def _linearized(fn: Callable, primals, tangents) -> tuple:
+    """``jax.jvp(fn, primals, tangents)``, its non-linear part staged to re-enter the scope.
+
+    The value and the residuals of ``jax.linearize(fn)`` are one guarded call (see
+    :func:`_call_guarded`): where a program holding this rule's equations is batched
+    later, outside the scope (``vmap`` of ``grad(jit(f))`` or of ``jit(grad(f))``), the
+    batching rule vmaps them inside it again; re-bound outside, float64 equations break
+    (batching an FFT truncates its operand to float32, other rules add float32 constants).
+    Only the linear map is left outside the call: the products and sums of tangents with
+    residuals that reverse mode transposes, and that rules re-bind in their operands'
+    dtypes. (custom_vmap cannot be transposed, so the tangent cannot go through it.)
+    """
+    if not any(isinstance(p, jax.core.Tracer) for p in primals):
+        # Concrete primals: nothing is staged that a later rule could re-bind (an outer vmap
+        # or jit would make them tracers); eager linearize would compile more programs.
+        with jax.enable_x64(True):
+            return jax.jvp(fn, tuple(primals), tuple(tangents))
+    structure = []
+
+    def nonlinear(*values):
+        out, lin = jax.linearize(fn, *values)
+        residuals, tree = jax.tree_util.tree_flatten(lin)
+        # A Python number primal is float64 here, float32 outside (its tangent's dtype).
+        # (The array's own dtype: jnp.result_type would promote a weak float32 here.)
+        structure.append((tree, [v.dtype if hasattr(v, "dtype") else jnp.result_type(v) for v in values]))
+        return out, residuals
+
+    out, residuals = _call_guarded(nonlinear, list(primals))
+    # Every trace of ``nonlinear`` (the call, its batching rule) has the same linear map of
+    # one example; the first is used.
+    tree, dtypes = structure[0]
+    lin = jax.tree_util.tree_unflatten(tree, residuals)
+    with jax.enable_x64(True):
+        # (Exact: a float32 tangent widened to its float64 primal's dtype.)
+        tangents = [jax.lax.convert_element_type(t, dt) if jnp.issubdtype(dt, jnp.inexact) and t.dtype != dt
+                    else t for t, dt in zip(tangents, dtypes)]
+        return out, lin(*tangents)
 
 
 def _tangents_like(primals, tangents) -> list:
@@ -134,10 +171,12 @@ def float64(fn: F) -> F:
       latter are passed through untouched, so eager validation and static choices behave
       as before. With no tracer, ``fn`` runs in the scope;
     * with tracers, ``fn`` of the traced leaves is wrapped in a ``jax.custom_jvp`` whose
-      rule takes ``jax.jvp`` of it inside the scope, around a
-      ``jax.custom_batching.custom_vmap`` whose rule vmaps it inside the scope (and wraps
-      the batched function the same way, for nested ``vmap``). Every later transformation
-      of the staged call therefore runs through a rule that re-enters the scope.
+      rule takes ``jax.linearize`` of it in a call wrapped the same way (value and
+      residuals; only the linear map, products and sums of tangents, is applied outside),
+      around a ``jax.custom_batching.custom_vmap`` whose rule vmaps it inside the scope (and
+      wraps the batched function the same way, for nested ``vmap``). Every later
+      transformation of the staged call therefore runs through a rule that re-enters the
+      scope, ``vmap`` of a jitted derivative included (see :func:`_linearized`).
 
     Dtype policy (docs/dtype_policy.md): values are float64 in every form; a gradient has
     the dtype of the argument it is taken with respect to (JAX's rule), computed in

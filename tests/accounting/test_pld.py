@@ -256,6 +256,38 @@ def test_x64_off_vmap_jit_and_grad_jit():
     assert float(g) < 0
 
 
+@pytest.mark.slow  # ~10 CPU-s of compilation per form; test_transformations' toy checks the guard fast
+def test_x64_off_vmap_outside_a_jitted_gradient():
+    """Regression (close15): with x64 off, vmap(grad(jit f)) and vmap(jit(grad f)) of the PLD ε
+    raised ``TypeError: lax.gt requires arguments to have the same dtypes``. These forms, a
+    ``lax.scan`` over configurations and the δ, bracket and DP-SGD doors, against the x64-on
+    gradient (float32 rounding) and central differences (the plan moves with σ: 2e-2, see
+    test_jit_vmap_grad)."""
+    g = 2**10
+    doors = {
+        "epsilon": lambda s: A.epsilon(A.Gaussian(s), 1e-5, accountant="pld", grid_size=g),
+        "pld_delta": lambda s: A.pld_delta(A.SelfComposed(A.Gaussian(s), 4), 1.0, grid_size=g),
+        "pld_bracket": lambda s: A.pld_bracket(A.Gaussian(s), 1e-5, grid_size=g).upper,
+        "dpsgd_event": lambda s: A.epsilon(A.dpsgd_event(0.01, s, 100), 1e-5, accountant="pld", grid_size=g),
+    }
+    xs = np.array([1.0, 2.0], np.float32)
+    forms = {
+        "vmap(grad(jit))": lambda f: jax.vmap(jax.grad(jax.jit(f)))(jnp.asarray(xs)),
+        "vmap(jit(grad))": lambda f: jax.vmap(jax.jit(jax.grad(f)))(jnp.asarray(xs)),
+        "scan(grad(jit))": lambda f: jax.lax.scan(lambda c, s: (c, jax.grad(jax.jit(f))(s)), 0.0, jnp.asarray(xs))[1],
+    }
+    cells = [("epsilon", form) for form in forms] + [(door, "vmap(grad(jit))") for door in doors if door != "epsilon"]
+    for door, form in cells:
+        f, h = doors[door], 1e-4
+        want = [float(jax.grad(f)(float(x))) for x in xs]
+        fd = [(float(f(float(x) + h)) - float(f(float(x) - h))) / (2 * h) for x in xs]
+        np.testing.assert_allclose(want, fd, rtol=2e-2, err_msg=door)
+        with jax.enable_x64(False):
+            got = forms[form](f)
+        assert got.dtype == jnp.float32, (door, form)
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2.0**-23, err_msg=f"{door} {form}")
+
+
 def test_uncertifiable_delta_falls_back_to_rdp_or_raises():
     ev = A.dpsgd_event(0.5, 0.3, 10000)
     with pytest.raises(ValueError, match="cannot certify"):

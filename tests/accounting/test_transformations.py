@@ -409,3 +409,56 @@ def test_deeper_compositions_with_x64_off():
     fd = [_fd(name, float(x)) for x in xs[1]]
     np.testing.assert_allclose(np.asarray(g1, np.float64), fd, rtol=RTOL_GRAD_X32_FD)
     np.testing.assert_allclose(np.asarray(g2, np.float64), fd[1:], rtol=RTOL_GRAD_X32_FD)
+
+
+# A guarded function built like the PLD accountant (its FFTs and comparisons are float64
+# only inside the scope; its custom JVP returns partials times tangents, as _pld._one's),
+# small enough to compile in well under a second.
+_TOY_BASE = np.linspace(0.5, 2.0, 16)
+
+
+def _toy_value(s):
+    r = jnp.fft.irfft(jnp.fft.rfft(jnp.exp(-s * _TOY_BASE)) ** 2, 16)  # a circular self-convolution
+    return jnp.log(jnp.sum(jnp.where(r > 1e-3, r, 0.0)))
+
+
+@jax.custom_jvp
+def _toy_partials(s):
+    return _toy_value(s)
+
+
+@_toy_partials.defjvp
+def _toy_partials_jvp(primals, tangents):
+    (s,), (t,) = primals, tangents
+    return _toy_value(s), jax.jacfwd(_toy_value)(s) * t
+
+
+def test_vmap_outside_a_jitted_derivative_with_x64_off():
+    """Regression (close15): with x64 off, vmap(grad(jit f)), vmap(jit(grad f)) and vmap(jvp(jit f))
+    of a guarded function whose program holds FFTs and float64 comparisons raised ``TypeError:
+    lax.gt requires arguments to have the same dtypes``: the derivative's program, traced in the
+    float64 scope, was batched outside it. Against the x64-on gradient and central differences;
+    the PLD accountant's own forms are test_pld's (slow: seconds of compilation each)."""
+    from jaxdp._numerics import f64, float64
+
+    toy = float64(lambda s: _toy_partials(f64(s)))
+    xs = np.array([0.5, 1.5], np.float32)
+    with jax.enable_x64(True):
+        want = [float(jax.grad(toy)(float(x))) for x in xs]
+        h = 1e-5
+        fd = [(float(toy(float(x) + h)) - float(toy(float(x) - h))) / (2 * h) for x in xs]
+    np.testing.assert_allclose(want, fd, rtol=1e-8)
+    f = CASES["gaussian_hockey_stick"][0]
+    with jax.enable_x64(False):
+        got = {
+            "vmap(grad(jit))": jax.vmap(jax.grad(jax.jit(toy)))(jnp.asarray(xs)),
+            "vmap(jit(grad))": jax.vmap(jax.jit(jax.grad(toy)))(jnp.asarray(xs)),
+            "vmap(jvp(jit))": jax.vmap(lambda s: jax.jvp(jax.jit(toy), (s,), (jnp.ones_like(s),))[1])(jnp.asarray(xs)),
+        }
+        hs = jax.vmap(jax.grad(jax.jit(f)))(jnp.asarray(_points("gaussian_hockey_stick")))
+    for form, g in got.items():
+        assert g.dtype == (jnp.float64 if form.startswith("vmap(jvp") else jnp.float32), form
+        np.testing.assert_allclose(np.asarray(g, np.float64), want, rtol=RTOL_GRAD_X32, err_msg=form)
+    seen = [_round(x, False) for x in _points("gaussian_hockey_stick")]
+    np.testing.assert_allclose(np.asarray(hs, np.float64), [_grad("gaussian_hockey_stick", x) for x in seen],
+                               rtol=RTOL_GRAD_X32)
