@@ -182,28 +182,33 @@ def _contraction_gdp_eps(r_first2, rc, later, sel, log_t, mu):
     # A select, not r_first2[sel]: a gather's transpose breaks reverse mode with x64 off.
     r_sel = jnp.where(sel == 1, r_first2[1], r_first2[0])
     mu = jnp.broadcast_to(mu, r_sel.shape)
-    r3 = sg(jnp.stack([r_sel, jnp.broadcast_to(rc, r_sel.shape), mu], axis=-1))
-    mu_s = r3[..., 2]
+    mu_s = sg(mu)
     hi0 = sg(_eps_bracket(mu_s, log_t))
     last_pass = _NEWTON_ITERS + 1
     check, final = _GDP_NEWTON_ITERS + 1, _GDP_NEWTON_ITERS + 2
+    rc_b = sg(jnp.broadcast_to(rc, r_sel.shape))
+    r_sel_s = sg(r_sel)
 
-    def body(i, state):
-        (x, lo_x, hi_x, loose, outs_c), (xg, lo_g, hi_g, at_zero_g, outs_g) = state
-        # The contraction's pass: 0, then 1..last_pass if any position is loose; the check
-        # (pass 0) and the last pass change nothing when repeated, so later passes repeat them.
-        p = jnp.where(jnp.any(loose), jnp.minimum(i, last_pass), 0)
+    def body(state):
+        s, c_slots, c_done, (x, lo_x, hi_x, loose, outs_c), (xg, lo_g, hi_g, at_zero_g, outs_g), kept = state
+        # Slots 2p and 2p + 1 are the contraction's pass p (θ at r_first then at rc, one ratio
+        # per slot); after its last pass, slots c_slots + i are the GDP's passes i.
+        in_c = ~c_done
+        p, half = s // 2, s % 2
         first, last = p == 0, p == last_pass
         fin = jnp.where(loose, jnp.minimum(x + _MARGIN_REL * x + _MARGIN_ABS, hi_x), cand)
         xe = jnp.where(first, cand, jnp.where(last, fin, x))
+        i = s - c_slots
         g_first, g_last = i == check, i == final
         xg_e = jnp.where(i == 0, 0.0, jnp.where(g_first, jnp.minimum(xg + _MARGIN_REL * xg + _MARGIN_ABS, hi_g),
                                                 jnp.where(g_last, hi_g, xg)))
-        lt, d_e, d_r = _theta_partials(jnp.stack([xe, xe, xg_e], axis=-1), r3)
-        # Contraction: (log δ(xe), ∂_ε log δ, ∂_r1, ∂_rc) of the exact bound.
-        v = lt[..., 0] + jnp.where(has_later, k_s * lt[..., 1], 0.0)
-        dv = d_e[..., 0] + jnp.where(has_later, k_s * d_e[..., 1], 0.0)
-        p1, pc = d_r[..., 0], jnp.where(has_later, k_s * d_r[..., 1], 0.0)
+        lt, d_e, d_r = _theta_partials(jnp.where(in_c, xe, xg_e),
+                                       jnp.where(in_c, jnp.where(half == 0, r_sel_s, rc_b), mu_s))
+        # Contraction, second slot of a pass: (log δ(xe), ∂_ε log δ, ∂_r1, ∂_rc) of the exact bound.
+        lt0, de0, dr0 = kept
+        v = lt0 + jnp.where(has_later, k_s * lt, 0.0)
+        dv = de0 + jnp.where(has_later, k_s * d_e, 0.0)
+        p1, pc = dr0, jnp.where(has_later, k_s * d_r, 0.0)
         h = v - lt_s
         pos_h = h > 0
         lo_n = jnp.where(pos_h, xe, lo_x)
@@ -215,28 +220,37 @@ def _contraction_gdp_eps(r_first2, rc, later, sel, log_t, mu):
         dist = jnp.abs((v - lt_s) / dg_s)
         loose0 = (~at_zero_c) & ((~(v <= lt_s)) | ~slope_ok | ~(dist <= _TIGHT_REL * cand + _MARGIN_ABS))
         keep = first | last
-        state_c = (jnp.where(keep, x, nxt), jnp.where(keep, lo_x, lo_n), jnp.where(keep, hi_x, hi_n),
-                   jnp.where(first, loose0, loose), (xe, v, dv, p1, pc))
-        # μ-GDP.
-        lt_g, dh, dr = lt[..., 2], d_e[..., 2], d_r[..., 2]
-        hg = lt_g - lt_s
+        new_c = (jnp.where(first, x, jnp.where(last, xe, nxt)), jnp.where(keep, lo_x, lo_n),
+                 jnp.where(keep, hi_x, hi_n), jnp.where(first, loose0, loose), (xe, v, dv, p1, pc))
+        upd_c = in_c & (half == 1)
+        state_c = jax.tree_util.tree_map(lambda n_, o_: jnp.where(upd_c, n_, o_), new_c, state[3])
+        # The contraction goes on to pass p + 1 only if p < last_pass and a position is loose.
+        ends = upd_c & ~((p + 1 <= last_pass) & jnp.any(state_c[3]))
+        # μ-GDP pass i.
+        hg = lt - lt_s
         above = hg > 0
         lo_gn = jnp.where(above, xg_e, lo_g)
         hi_gn = jnp.where(g_first, jnp.where(hg <= 0, xg_e, hi_g), jnp.where(above, hi_g, xg_e))
-        ok = jnp.isfinite(hg) & jnp.isfinite(dh) & (dh < 0)
-        nxt_g = xg_e - jnp.where(ok, hg / jnp.where(ok, dh, -1.0), jnp.nan)
+        ok = jnp.isfinite(hg) & jnp.isfinite(d_e) & (d_e < 0)
+        nxt_g = xg_e - jnp.where(ok, hg / jnp.where(ok, d_e, -1.0), jnp.nan)
         inside_g = (nxt_g > lo_gn) & (nxt_g < hi_gn)
         nxt_g = jnp.where(inside_g, nxt_g, 0.5 * (lo_gn + hi_gn))
         keep_g = (i == 0) | g_last
-        state_g = (jnp.where(keep_g, xg, nxt_g), jnp.where(keep_g, lo_g, lo_gn), jnp.where(keep_g, hi_g, hi_gn),
-                   jnp.where(i == 0, hg <= 0, at_zero_g), (lt_g, dh, dr))
-        return state_c, state_g
+        new_g = (jnp.where(keep_g, xg, nxt_g), jnp.where(keep_g, lo_g, lo_gn), jnp.where(keep_g, hi_g, hi_gn),
+                 jnp.where(i == 0, hg <= 0, at_zero_g), (lt, d_e, d_r))
+        state_g = jax.tree_util.tree_map(lambda n_, o_: jnp.where(in_c, o_, n_), new_g, state[4])
+        kept = jax.tree_util.tree_map(lambda n_, o_: jnp.where(in_c & (half == 0), n_, o_), (lt, d_e, d_r), kept)
+        return s + 1, jnp.where(ends, s + 1, c_slots), c_done | ends, state_c, state_g, kept
+
+    def more(state):
+        s, c_slots, c_done = state[:3]
+        return ~c_done | (s - c_slots <= final)
 
     zero = jnp.zeros_like(x0)
     init_c = (x0, c["e0"], e1, jnp.zeros(x0.shape, bool), (zero,) * 5)
     init_g = (hi0, zero, hi0, jnp.zeros(hi0.shape, bool), (zero,) * 3)
-    (_, _, hi_n, loose, (cand, v_c, dv2, p1, pc)), (_, _, eps_g, at_zero_g, (lt_g, dg_g, d_rg)) = (
-        jax.lax.fori_loop(0, final + 1, body, (init_c, init_g)))
+    *_, (_, _, hi_n, loose, (cand, v_c, dv2, p1, pc)), (_, _, eps_g, at_zero_g, (lt_g, dg_g, d_rg)), _ = (
+        jax.lax.while_loop(more, body, (jnp.int32(0), jnp.int32(0), jnp.bool_(False), init_c, init_g, (zero,) * 3)))
 
     # Contraction: the certified candidate (or its cell's end), with the implicit gradient.
     polished = jnp.any(loose)  # the polishing passes ran
