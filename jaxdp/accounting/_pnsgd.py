@@ -32,7 +32,7 @@ from ._contraction import stop_pnsgd_contraction_epsilon
 from ._conversion import rdp_to_epsilon
 from ._events import PNSGD
 from ._iteration import _linear_eps_masked, _pabi_coefficient, _sc_coefficient, stop_pnsgd_iteration_rdp
-from ._pnsgd_invert import _contraction_eps_grid, _gdp_eps
+from ._pnsgd_invert import _contraction_gdp_eps
 from . import _pnsgd_shuffle
 from ._pnsgd_poisson import event_rdp as _poisson_event_rdp
 from ._rdp import DEFAULT_ORDERS
@@ -115,22 +115,21 @@ def _bucket(size: int) -> int:
 def _privacy_core(pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt, sc_form, size=None, shape=None):
     """All analyses for scalar run parameters and a flat vector of positions.
 
-    Four compiled programs, not one: the setup (with the composition's two values and the
-    RDP analyses), the contraction, the shifted-interpolation μ, and the GDP conversion with
-    the minimum. XLA's compile time grows faster than the size of a program, so the large
-    parts compile in about half the time of the whole; each program also has a fixed cost,
-    so the small parts ride with a neighbour. Under a caller's ``jit`` they are inlined.
-    The outputs are the first ``size`` entries reshaped to ``shape`` (default: all, flat).
+    Three compiled programs, not one: the setup (with the composition's two values and the
+    RDP analyses), the shifted-interpolation μ, and the two inversions (contraction and the
+    GDP conversion, one loop with one traced copy of θ) with the minimum. XLA's compile time
+    grows faster than the size of a program, so the large parts compile in less time apart
+    than as a whole; each program also has a fixed cost, so the small parts ride with a
+    neighbour. Under a caller's ``jit`` they are inlined. The outputs are the first ``size``
+    entries reshaped to ``shape`` (default: all, flat).
     """
     st = _privacy_setup(pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt, sc_form=sc_form)
-    eps_c = _contraction_part(st["r_first2"], st["rc"], st["later"], st["sel"], st["log_t"])
-    eps_i, eps_s = st["eps_i"], st["eps_s"]
     mu = _shifted_mu_part(st["pos_s"], st["n_s"], st["lip_s"], beta, rho, st["eta_s"], st["sig_s"], st["dia_s"],
                           st["b_s"], st["k_s"], st["scal_ok"])
     size = pos.shape[0] if size is None else size
     shape = (size,) if shape is None else tuple(shape)
-    return _gdp_combine(st["valid"], st["sel"], eps_c, eps_i, eps_s, st["eps_g2"], mu, st["log_t"], size=size,
-                        shape=shape)
+    return _invert_combine(st["valid"], st["sel"], st["r_first2"], st["rc"], st["later"], st["eps_i"], st["eps_s"],
+                           st["eps_g2"], mu, st["log_t"], size=size, shape=shape)
 
 
 @persistent("pnsgd_setup", static_argnames=("sc_form",))
@@ -179,9 +178,6 @@ def _privacy_setup(pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt, sc_form):
                 **dict(zip(("eps_i", "eps_s"), _rdp_part(pos_s, n_s, lip_s, sig_s, b_s, k_s, m_c, dlt, scal_ok, sc_form))))
 
 
-_contraction_part = persistent("pnsgd_contraction")(jax.jit(_contraction_eps_grid))
-
-
 def _rdp_part(pos_s, n_s, lip_s, sig_s, b_s, k_s, m_c, dlt, scal_ok, sc_form):
     # Iteration (Feldman): valid for ρ ≥ 0 because η ≤ 2/(β+ρ) ≤ 2/β.
     v_i, c_i = _pabi_coefficient(pos_s, n_s, lip_s, sig_s, b_s, k_s)
@@ -203,18 +199,18 @@ def _composition_part(r_comp2, log_t):
     )
 
 
-# Shifted interpolation: μ-GDP per record, exact conversion δ(ε) = θ_{e^ε}(μ). Two
-# programs: XLA compiles them in ~3 s apart, ~4.2 s as one. The conversion shares its
-# program with the minimum; the composition (two values) and the RDP analyses share the
-# setup's: each program has a fixed compile cost (~0.1-0.2 CPU-s), so small parts ride
-# with others.
+# Shifted interpolation: μ-GDP per record, exact conversion δ(ε) = θ_{e^ε}(μ). The energy
+# search is a program of its own (XLA compiled it and the conversion in ~3 s apart, ~4.2 s
+# as one); the conversion shares the contraction's inversion loop (one traced copy of θ for
+# both) in the last program, with the minimum. The composition (two values) and the RDP
+# analyses share the setup's program: small parts ride with others.
 _shifted_mu_part = persistent("pnsgd_shifted")(jax.jit(lambda *a: _shifted_mu(*a)))
 
 
-@persistent("pnsgd_combine", static_argnames=("size", "shape"))
+@persistent("pnsgd_invert", static_argnames=("size", "shape"))
 @functools.partial(jax.jit, static_argnames=("size", "shape"))
-def _gdp_combine(valid, sel, eps_c, eps_i, eps_s, eps_g2, mu, log_t, size, shape):
-    eps_sh = _gdp_eps(mu, log_t)
+def _invert_combine(valid, sel, r_first2, rc, later, eps_i, eps_s, eps_g2, mu, log_t, size, shape):
+    eps_c, eps_sh = _contraction_gdp_eps(r_first2, rc, later, sel, log_t, mu)
     eps_g = jnp.where(sel == 1, eps_g2[1], eps_g2[0])
     best = jnp.minimum(jnp.minimum(jnp.minimum(eps_c, eps_i), jnp.minimum(eps_s, eps_g)), eps_sh)
     nan = lambda x: jnp.reshape(nan_unless(valid, x)[:size], shape)  # noqa: E731
