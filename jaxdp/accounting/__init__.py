@@ -8,6 +8,13 @@ One door per job: an event tree says what a pipeline did; ``epsilon``, ``delta``
 ``"pld"``); ``calibrate_noise_multiplier`` calibrates DP-SGD with either. The names below
 are grouped by topic; the analyses behind each accountant stay public for those who need
 one theorem's bound.
+
+Interpreter exit: importing this package registers ``gc.freeze`` with :mod:`atexit`, so the
+garbage collections of Python's finalisation skip the objects alive at exit (JAX's modules
+and caches: about 0.2 s of a fresh process's 1-2 s on a 2-core machine). Memory goes back
+to the operating system either way; the only difference is that objects in reference cycles
+still alive at exit are not finalised (``__del__`` of such objects is not guaranteed at exit
+in Python anyway). Exit handlers registered earlier still run after it, unchanged.
 """
 
 from .._deprecations import deprecation_getattr as _deprecation_getattr
@@ -272,3 +279,20 @@ _deprecations = {
 }
 __getattr__ = _deprecation_getattr(__name__, _deprecations)
 del _deprecation_getattr
+
+
+def _register_fast_exit():
+    """Freeze the garbage collector at interpreter exit (see the module docstring).
+
+    Python's finalisation runs full collections over every tracked object: after ``import
+    jax`` that is ~10^5 objects and 0.2-0.3 s of a fresh process's exit (perf: gc_collect_main),
+    more than a tenth of a first ε. Frozen objects are skipped; reference counting still frees
+    what module teardown releases.
+    """
+    import atexit
+    import gc
+
+    atexit.register(gc.freeze)
+
+
+_register_fast_exit()
