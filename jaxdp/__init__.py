@@ -8,8 +8,10 @@ Subpackages:
   audit       empirical lower bounds on epsilon (distinguishing experiments, one-run auditing)
 
 Every subpackage loads on first use (PEP 562): ``import jaxdp`` imports neither JAX nor
-flax, and ``jaxdp.accounting`` (or ``import jaxdp.accounting``) imports JAX but not flax,
-optax, orbax or matplotlib, so the command line parses its arguments before loading JAX.
+flax, and ``jaxdp.accounting`` imports JAX but not flax, optax, orbax or matplotlib, so the
+command line parses its arguments before loading JAX. The accountants' public names load on
+first use too (JAX with the first one): a first ``dpsgd_epsilon`` imports the few modules it
+needs, not every accountant.
 
 Guides and derivations cited as ``docs/NAME.md`` in docstrings and in the command's output are
 installed with the package, as ``jaxdp/docs/NAME.md`` (start at ``jaxdp/docs/index.md``).

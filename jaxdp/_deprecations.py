@@ -9,15 +9,26 @@ whose message names the replacement, for one release; ``obj=None`` turns the nam
 
 from __future__ import annotations
 
+import importlib
+import sys
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 
-def deprecation_getattr(module: str, deprecations: Mapping[str, tuple[str, Any]]) -> Callable[[str], Any]:
-    """A module ``__getattr__`` for the names in ``deprecations``; any other name is an AttributeError."""
+def deprecation_getattr(module: str, deprecations: Mapping[str, tuple[str, Any]],
+                        lazy: Mapping[str, str] | None = None) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for the names in ``deprecations``; any other name is an AttributeError.
+
+    ``lazy`` maps public names to the submodule (``"_x"``, relative to ``module``) that defines
+    them: such a name is imported on first use and kept in the module's namespace (PEP 562).
+    """
 
     def __getattr__(name: str) -> Any:
+        if lazy is not None and name in lazy:
+            value = getattr(importlib.import_module(f".{lazy[name]}", module), name)
+            setattr(sys.modules[module], name, value)
+            return value
         if name in deprecations:
             message, obj = deprecations[name]
             if obj is None:

@@ -17,118 +17,64 @@ still alive at exit are not finalised (``__del__`` of such objects is not guaran
 in Python anyway). Exit handlers registered earlier still run after it, unchanged.
 """
 
-from .._deprecations import deprecation_getattr as _deprecation_getattr
+import atexit
 import functools
+import gc
+import importlib
 
-from . import _dpsgd, _pld
-from ._accountants import delta as delta
-from ._accountants import epsilon as epsilon
-from ._accountants import pnsgd_record_epsilon as pnsgd_record_epsilon
-from ._accountants import rdp as rdp
-from ._accountants import register_accountant as register_accountant
-from ._composition import ADVANCED_COMPOSITION_FORMS as ADVANCED_COMPOSITION_FORMS
-from ._composition import advanced_composition as advanced_composition
-from ._composition import amplify_by_poisson_sampling as amplify_by_poisson_sampling
-from ._composition import amplify_by_sampling_without_replacement as amplify_by_sampling_without_replacement
-from ._composition import basic_composition as basic_composition
-from ._composition import optimal_homogeneous_composition as optimal_homogeneous_composition
-from ._contraction import log_pnsgd_contraction_delta as log_pnsgd_contraction_delta
-from ._contraction import pnsgd_contraction_delta as pnsgd_contraction_delta
-from ._contraction import pnsgd_contraction_epsilon as pnsgd_contraction_epsilon
-from ._contraction import pnsgd_laplace_delta as pnsgd_laplace_delta
-from ._contraction import step_contraction as step_contraction
-from ._contraction import stop_pnsgd_contraction_delta as stop_pnsgd_contraction_delta
-from ._contraction import stop_pnsgd_contraction_epsilon as stop_pnsgd_contraction_epsilon
-from ._conversion import DeltaResult as DeltaResult
-from ._conversion import EpsilonResult as EpsilonResult
-from ._conversion import rdp_to_delta as rdp_to_delta
-from ._conversion import rdp_to_epsilon as rdp_to_epsilon
-from ._divergences import hockey_stick_divergence as hockey_stick_divergence
-from ._divergences import kl_divergence as kl_divergence
-from ._dpsbcd import dpsbcd_composition_rdp as dpsbcd_composition_rdp
-from ._dpsbcd import dpsbcd_epsilon as dpsbcd_epsilon
-from ._dpsbcd import dpsbcd_rdp as dpsbcd_rdp
-from ._dpsbcd import dpsbcd_rdp_per_batch as dpsbcd_rdp_per_batch
-from ._dpsgd import CalibrationResult as CalibrationResult
-from ._dpsgd import calibrate_noise_multiplier as calibrate_noise_multiplier
-from ._dpsgd import dpsgd_epsilon as dpsgd_epsilon
-from ._dpsgd import schedule_epsilon as schedule_epsilon
-from ._events import DPSBCD as DPSBCD
-from ._events import PNSGD as PNSGD
-from ._events import ApproxDP as ApproxDP
-from ._events import RELATIONS as RELATIONS
-from ._events import Composed as Composed
-from ._events import Event as Event
-from ._events import Gaussian as Gaussian
-from ._events import Laplace as Laplace
-from ._events import PoissonSampled as PoissonSampled
-from ._events import SelfComposed as SelfComposed
-from ._events import dpsgd_event as dpsgd_event
-from ._events import relation_of as relation_of
-from ._individual_filter import individual_filter_privacy as individual_filter_privacy
-from ._individual_filter import individual_filter_step as individual_filter_step
-from ._hockey_stick import gaussian_hockey_stick as gaussian_hockey_stick
-from ._hockey_stick import gaussian_hockey_stick_complement as gaussian_hockey_stick_complement
-from ._hockey_stick import laplace_hockey_stick as laplace_hockey_stick
-from ._hockey_stick import log_gaussian_hockey_stick as log_gaussian_hockey_stick
-from ._iteration import linear_rdp_delta as linear_rdp_delta
-from ._iteration import linear_rdp_epsilon as linear_rdp_epsilon
-from ._iteration import pnsgd_iteration_rdp as pnsgd_iteration_rdp
-from ._iteration import skip_pnsgd_iteration_rdp as skip_pnsgd_iteration_rdp
-from ._iteration import stop_pnsgd_iteration_rdp as stop_pnsgd_iteration_rdp
-from ._iteration import strongly_convex_iteration_rdp as strongly_convex_iteration_rdp
-from ._mechanisms import GAUSSIAN_CALIBRATIONS as GAUSSIAN_CALIBRATIONS
-from ._mechanisms import calibrate_gaussian_noise_multiplier as calibrate_gaussian_noise_multiplier
-from ._mechanisms import calibrate_laplace_scale as calibrate_laplace_scale
-from ._mechanisms import gaussian_mechanism as gaussian_mechanism
-from ._mechanisms import gaussian_mechanism_delta as gaussian_mechanism_delta
-from ._mechanisms import gaussian_mechanism_epsilon as gaussian_mechanism_epsilon
-from ._mechanisms import laplace_mechanism as laplace_mechanism
-from ._parity import ZCDP as ZCDP
-from ._parity import RandomizedResponse as RandomizedResponse
-from ._parity import SingleEpochTreeAggregation as SingleEpochTreeAggregation
-from ._per_instance import PER_INSTANCE_ORDERS as PER_INSTANCE_ORDERS
-from ._per_instance import per_instance_composition_orders as per_instance_composition_orders
-from ._per_instance import per_instance_dpsgd_privacy as per_instance_dpsgd_privacy
-from ._per_instance_rdp import PerInstancePrivacy as PerInstancePrivacy
-from ._per_instance_rdp import per_instance_sampled_gaussian_rdp as per_instance_sampled_gaussian_rdp
-from ._pld import PLD_GRID_SIZE as PLD_GRID_SIZE
-from ._pld import PLD_TAIL_BOUND as PLD_TAIL_BOUND
-from ._pld import PLD_STAGES as PLD_STAGES
-from ._pld import PLDBracket as PLDBracket
-from ._accountants import pld_bracket as pld_bracket
-from ._pnsgd import PNSGDPrivacy as PNSGDPrivacy
-from ._pnsgd import pnsgd_privacy as pnsgd_privacy
-from ._pnsgd_calibrate import calibrate_pnsgd_noise_std as calibrate_pnsgd_noise_std
-from ._pnsgd_poisson import POISSON_PNSGD_SPLITS as POISSON_PNSGD_SPLITS
-from ._pnsgd_poisson import poisson_pnsgd_epsilon as poisson_pnsgd_epsilon
-from ._pnsgd_poisson import poisson_pnsgd_rdp as poisson_pnsgd_rdp
-from ._pnsgd_shuffle import shuffle_pnsgd_epsilon as shuffle_pnsgd_epsilon
-from ._pnsgd_shuffle import shuffle_pnsgd_rdp as shuffle_pnsgd_rdp
-from ._rdp import DEFAULT_ORDERS as DEFAULT_ORDERS
-from ._rdp import gaussian_rdp as gaussian_rdp
-from ._rdp import heterogeneous_rdp as heterogeneous_rdp
-from ._rdp import laplace_rdp as laplace_rdp
-from ._rdp import sampled_gaussian_rdp as sampled_gaussian_rdp
-from ._allocation import RandomAllocation as RandomAllocation
-from ._allocation import balls_in_bins_event as balls_in_bins_event
-from ._allocation import random_allocation_event as random_allocation_event
-from ._allocation import random_allocation_rdp as random_allocation_rdp
-from ._sampling import SampledWithoutReplacement as SampledWithoutReplacement
-from ._sampling import SampledWithReplacement as SampledWithReplacement
-from ._sampling import TruncatedPoissonSampled as TruncatedPoissonSampled
-from ._sampling import sampled_with_replacement_rdp as sampled_with_replacement_rdp
-from ._sampling import sampled_without_replacement_rdp as sampled_without_replacement_rdp
-from ._sampling import shuffled_event as shuffled_event
-from ._shuffle_lower import shuffled_lower_epsilon as shuffled_lower_epsilon
-from ._sampling import truncated_poisson_rdp as truncated_poisson_rdp
-from ._shifted import pnsgd_shifted_gdp as pnsgd_shifted_gdp
-from ._shifted import pnsgd_shifted_rdp as pnsgd_shifted_rdp
-from ._shifted import shifted_contraction as shifted_contraction
-from ._tradeoff import TRADEOFF_ACCOUNTANTS as TRADEOFF_ACCOUNTANTS
-from ._tradeoff import TRADEOFF_EPSILONS as TRADEOFF_EPSILONS
-from ._tradeoff import gdp_mu as gdp_mu
-from ._tradeoff import tradeoff as tradeoff
+from .._deprecations import deprecation_getattr as _deprecation_getattr
+
+# Public names, each loaded from its module on first use (PEP 562 below): a first ε of DP-SGD
+# imports the modules it needs, not all of them (issue 21: a fresh process's first answer).
+_PUBLIC = {
+    "_accountants": ("delta", "epsilon", "pnsgd_record_epsilon", "rdp", "register_accountant", "pld_bracket"),
+    "_allocation": ("RandomAllocation", "balls_in_bins_event", "random_allocation_event", "random_allocation_rdp"),
+    "_composition": (
+        "ADVANCED_COMPOSITION_FORMS", "advanced_composition", "amplify_by_poisson_sampling",
+        "amplify_by_sampling_without_replacement", "basic_composition", "optimal_homogeneous_composition",
+    ),
+    "_contraction": (
+        "log_pnsgd_contraction_delta", "pnsgd_contraction_delta", "pnsgd_contraction_epsilon", "pnsgd_laplace_delta",
+        "step_contraction", "stop_pnsgd_contraction_delta", "stop_pnsgd_contraction_epsilon",
+    ),
+    "_conversion": ("DeltaResult", "EpsilonResult", "rdp_to_delta", "rdp_to_epsilon"),
+    "_divergences": ("hockey_stick_divergence", "kl_divergence"),
+    "_dpsbcd": ("dpsbcd_composition_rdp", "dpsbcd_epsilon", "dpsbcd_rdp", "dpsbcd_rdp_per_batch"),
+    "_dpsgd": ("CalibrationResult", "calibrate_noise_multiplier", "dpsgd_epsilon", "schedule_epsilon"),
+    "_events": (
+        "DPSBCD", "PNSGD", "ApproxDP", "RELATIONS", "Composed", "Event", "Gaussian", "Laplace", "PoissonSampled",
+        "SelfComposed", "dpsgd_event", "relation_of",
+    ),
+    "_hockey_stick": (
+        "gaussian_hockey_stick", "gaussian_hockey_stick_complement", "laplace_hockey_stick",
+        "log_gaussian_hockey_stick",
+    ),
+    "_individual_filter": ("individual_filter_privacy", "individual_filter_step"),
+    "_iteration": (
+        "linear_rdp_delta", "linear_rdp_epsilon", "pnsgd_iteration_rdp", "skip_pnsgd_iteration_rdp",
+        "stop_pnsgd_iteration_rdp", "strongly_convex_iteration_rdp",
+    ),
+    "_mechanisms": (
+        "GAUSSIAN_CALIBRATIONS", "calibrate_gaussian_noise_multiplier", "calibrate_laplace_scale",
+        "gaussian_mechanism", "gaussian_mechanism_delta", "gaussian_mechanism_epsilon", "laplace_mechanism",
+    ),
+    "_parity": ("ZCDP", "RandomizedResponse", "SingleEpochTreeAggregation"),
+    "_per_instance": ("PER_INSTANCE_ORDERS", "per_instance_composition_orders", "per_instance_dpsgd_privacy"),
+    "_per_instance_rdp": ("PerInstancePrivacy", "per_instance_sampled_gaussian_rdp"),
+    "_pld": ("PLD_GRID_SIZE", "PLD_TAIL_BOUND", "PLD_STAGES", "PLDBracket"),
+    "_pnsgd": ("PNSGDPrivacy", "pnsgd_privacy"),
+    "_pnsgd_calibrate": ("calibrate_pnsgd_noise_std",),
+    "_pnsgd_poisson": ("POISSON_PNSGD_SPLITS", "poisson_pnsgd_epsilon", "poisson_pnsgd_rdp"),
+    "_pnsgd_shuffle": ("shuffle_pnsgd_epsilon", "shuffle_pnsgd_rdp"),
+    "_rdp": ("DEFAULT_ORDERS", "gaussian_rdp", "heterogeneous_rdp", "laplace_rdp", "sampled_gaussian_rdp"),
+    "_sampling": (
+        "SampledWithoutReplacement", "SampledWithReplacement", "TruncatedPoissonSampled",
+        "sampled_with_replacement_rdp", "sampled_without_replacement_rdp", "shuffled_event", "truncated_poisson_rdp",
+    ),
+    "_shifted": ("pnsgd_shifted_gdp", "pnsgd_shifted_rdp", "shifted_contraction"),
+    "_shuffle_lower": ("shuffled_lower_epsilon",),
+    "_tradeoff": ("TRADEOFF_ACCOUNTANTS", "TRADEOFF_EPSILONS", "gdp_mu", "tradeoff"),
+}
 
 __all__ = [
     # Events: what a pipeline did, as data.
@@ -256,43 +202,57 @@ __all__ = [
     "individual_filter_privacy",
 ]
 
+_MODULE_OF = {name: module for module, names in _PUBLIC.items() for name in names}
+
+
+def _deprecated_pld_epsilon():
+    """The old ``pld_epsilon`` through the door, which puts the RDP fallback where the grid cannot
+    certify δ."""
+    # Imported on first use, as every public name (the table below is built at import).
+    from ._accountants import epsilon
+    from ._pld import pld_epsilon  # on first use, as above
+
+    return functools.wraps(pld_epsilon)(functools.partial(epsilon, accountant="pld"))
+
+
+class _Deprecated(dict):
+    """``{old name: (message, build)}``: the object is built (its module imported) on first use."""
+
+    def __getitem__(self, name):
+        message, build = super().__getitem__(name)
+        return message, build()
+
+
 # Names with a second door, kept for one release: each warns and names its replacement.
-_deprecations = {
+_deprecations = _Deprecated({
     # Deprecated after jaxdp 0.1.0 (issue 21: one door per job): they warn for one release, then go.
     "pld_epsilon": (
         "jaxdp.accounting.pld_epsilon is deprecated: use jaxdp.accounting.epsilon(event, delta, accountant='pld') "
         "(grid_size, tail_bound and estimate are keyword options of epsilon).",
-        # through the door, which puts the RDP fallback where the grid cannot certify δ
-        functools.wraps(_pld.pld_epsilon)(functools.partial(epsilon, accountant="pld")),
+        _deprecated_pld_epsilon,
     ),
     "pld_delta": (
         "jaxdp.accounting.pld_delta is deprecated: use jaxdp.accounting.delta(event, epsilon, accountant='pld') "
         "(grid_size, tail_bound and estimate are keyword options of delta).",
-        _pld.pld_delta,
+        lambda: importlib.import_module("._pld", __name__).pld_delta,
     ),
     "calibrate_pld_noise_multiplier": (
         "jaxdp.accounting.calibrate_pld_noise_multiplier is deprecated: use "
         "jaxdp.accounting.calibrate_noise_multiplier(target_epsilon, q, num_steps, delta, accountant='pld') "
         "(grid_size, tail_bound and solver_iterations are keyword options of it).",
-        _dpsgd.calibrate_pld_noise_multiplier,
+        lambda: importlib.import_module("._dpsgd", __name__).calibrate_pld_noise_multiplier,
     ),
-}
-__getattr__ = _deprecation_getattr(__name__, _deprecations)
+})
+__getattr__ = _deprecation_getattr(__name__, _deprecations, lazy=_MODULE_OF)
 del _deprecation_getattr
 
 
-def _register_fast_exit():
-    """Freeze the garbage collector at interpreter exit (see the module docstring).
-
-    Python's finalisation runs full collections over every tracked object: after ``import
-    jax`` that is ~10^5 objects and 0.2-0.3 s of a fresh process's exit (perf: gc_collect_main),
-    more than a tenth of a first ε. Frozen objects are skipped; reference counting still frees
-    what module teardown releases.
-    """
-    import atexit
-    import gc
-
-    atexit.register(gc.freeze)
+def __dir__():
+    return sorted(set(globals()) | set(_MODULE_OF))
 
 
-_register_fast_exit()
+# Python's finalisation runs full collections over every tracked object: after ``import jax``
+# that is ~10^5 objects and 0.2-0.3 s of a fresh process's exit (perf: gc_collect_main), more
+# than a tenth of a first ε. Frozen objects are skipped; reference counting still frees what
+# module teardown releases (see the module docstring).
+atexit.register(gc.freeze)

@@ -13,7 +13,6 @@ import numpy as np
 from .. import _validate
 from .._numerics import f64, float64
 from .._program_cache import persistent
-from . import _pld
 from ._conversion import _IMPROVED_MIN_ORDER, rdp_to_epsilon
 from ._rdp import DEFAULT_ORDERS, heterogeneous_rdp
 from ._solve import implicit_root, search_certified, search_decreasing
@@ -541,15 +540,23 @@ def _search(target, q, steps, delta, orders, method, lo_s, hi_s, iterations):
 # =======================================================================================
 
 
+def _pld():
+    """The PLD accountant's module, imported on first use: the RDP paths (a first ``dpsgd_epsilon``)
+    do not load it (issue 21: a fresh process's imports)."""
+    from . import _pld  # deliberate lazy loading (see the docstring)
+
+    return _pld
+
+
 def _dpsgd_pld_epsilon(x, q, steps, delta, *, grid_size, tail_bound):
     """PLD ε of DP-SGD at σ = e^x (no eager checks: the calibration's inner function)."""
-    return _pld._evaluate_jit(("sampled_gaussian",), (3,), grid_size, tail_bound, "upper", "epsilon",
+    return _pld()._evaluate_jit(("sampled_gaussian",), (3,), grid_size, tail_bound, "upper", "epsilon",
                          q, jnp.exp(x), steps, delta)
 
 
 @float64
-def calibrate_pld_noise_multiplier(target_epsilon, q, num_steps, delta, *, grid_size: int = _pld.PLD_GRID_SIZE,
-                                   tail_bound: float = _pld.PLD_TAIL_BOUND, solver_iterations: int = 24):
+def calibrate_pld_noise_multiplier(target_epsilon, q, num_steps, delta, *, grid_size: int | None = None,
+                                   tail_bound: float | None = None, solver_iterations: int = 24):
     r"""Smallest DP-SGD noise multiplier whose PLD ε (upper bound) is at most ``target_epsilon``.
 
     The public door is ``calibrate_noise_multiplier(..., accountant="pld")``; the name
@@ -571,7 +578,8 @@ def calibrate_pld_noise_multiplier(target_epsilon, q, num_steps, delta, *, grid_
       q: sampling rate in [0, 1].
       num_steps: number of steps ≥ 0.
       delta: δ in (0, 1).
-      grid_size, tail_bound: as in :func:`epsilon` with ``accountant="pld"`` (static).
+      grid_size, tail_bound: as in :func:`epsilon` with ``accountant="pld"`` (static; None:
+        :data:`PLD_GRID_SIZE`, :data:`PLD_TAIL_BOUND`).
       solver_iterations: bisection steps (static); the bracket is e wide, so 24 steps
         give σ within 6e-8 relative of the grid's threshold.
 
@@ -587,7 +595,10 @@ def calibrate_pld_noise_multiplier(target_epsilon, q, num_steps, delta, *, grid_
       >>> float(r.epsilon) <= 1.0, round(float(r.noise_multiplier), 2)
       (True, 2.03)
     """
-    _pld._check_options(grid_size, tail_bound, "upper")
+    pld = _pld()
+    grid_size = pld.PLD_GRID_SIZE if grid_size is None else grid_size
+    tail_bound = pld.PLD_TAIL_BOUND if tail_bound is None else tail_bound
+    pld._check_options(grid_size, tail_bound, "upper")
     _validate.check_in_range("target_epsilon", target_epsilon, 0.0, math.inf, lo_open=True)
     _validate.check_in_range("q", q, 0.0, 1.0)
     _validate.check_in_range("num_steps", num_steps, 0.0, math.inf)
