@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import sys
 import warnings
 from collections.abc import Callable
 from typing import NamedTuple
@@ -32,8 +33,7 @@ import numpy as np
 from .. import _validate
 from .._numerics import f64, float64
 from .._program_cache import persistent
-from . import _allocation, _parity, _pld, _pnsgd_poisson, _pnsgd_shuffle, _sampling
-from ._contraction import pnsgd_contraction_delta, step_contraction, stop_pnsgd_contraction_delta
+from . import _pld
 from ._conversion import rdp_to_delta, rdp_to_epsilon
 from ._dpsbcd import dpsbcd_rdp
 from ._events import (
@@ -49,11 +49,7 @@ from ._events import (
     check_leaves,
     relation_of,
 )
-from ._hockey_stick import gaussian_hockey_stick
-from ._iteration import linear_rdp_delta, pnsgd_iteration_rdp, stop_pnsgd_iteration_rdp
-from ._pnsgd import run_privacy, stop_geometry
 from ._rdp import DEFAULT_ORDERS, gaussian_rdp, laplace_rdp, sampled_gaussian_rdp
-from ._shifted import pnsgd_shifted_gdp
 
 __all__ = ["rdp", "epsilon", "delta", "pnsgd_record_epsilon", "register_accountant", "pld_bracket"]
 
@@ -105,20 +101,32 @@ def _check_pnsgd_support(ev: PNSGD, path: str) -> None:
             )
 
 
+def _loaded(name: str):
+    """The analysis module ``jaxdp.accounting.<name>`` if it has been imported, else None.
+
+    The RDP traversal imports no analysis it does not need (issue 21: a first ε of DP-SGD
+    in a fresh process): the event classes of ``_sampling``, ``_allocation`` and ``_parity``
+    exist only once their module is imported, so before that no event can be one of them;
+    the PNSGD analyses are imported by the functions that run them.
+    """
+    return sys.modules.get(f"{__package__}.{name}")
+
+
 def _rdp_compose(event: Event, orders: np.ndarray, path: str = "event", compose: bool = True):
     """The RDP curve of an event tree, ``batch + (k,)``; raises ``ValueError`` on what it cannot analyse.
 
     With ``compose=False`` only the support is checked (eagerly, on the static structure)
     and ``None`` is returned, as dp_accounting's ``_maybe_compose(event, 0, False)``.
     """
-    if isinstance(event, _sampling.SAMPLING_EVENTS):  # fixed-size and truncated sampling (_sampling.py)
-        _sampling.check_support(event, path)
-        return _sampling.rdp_curve(event, orders) if compose else None
-    if isinstance(event, _allocation.RandomAllocation):  # balls-in-bins (_allocation.py)
-        _allocation.check_support(event, path)
-        return _allocation.rdp_curve(event, orders) if compose else None
-    if isinstance(event, _parity.PARITY_EVENTS):  # randomized response, zCDP, tree aggregation (_parity.py)
-        return _parity.rdp_curve(event, orders) if compose else None
+    sampling, allocation, parity = _loaded("_sampling"), _loaded("_allocation"), _loaded("_parity")
+    if sampling is not None and isinstance(event, sampling.SAMPLING_EVENTS):  # fixed-size and truncated sampling
+        sampling.check_support(event, path)
+        return sampling.rdp_curve(event, orders) if compose else None
+    if allocation is not None and isinstance(event, allocation.RandomAllocation):  # balls-in-bins
+        allocation.check_support(event, path)
+        return allocation.rdp_curve(event, orders) if compose else None
+    if parity is not None and isinstance(event, parity.PARITY_EVENTS):  # randomized response, zCDP, tree aggregation
+        return parity.rdp_curve(event, orders) if compose else None
     if isinstance(event, Gaussian):
         return gaussian_rdp(orders, event.noise_multiplier) if compose else None
     if isinstance(event, Laplace):
@@ -179,12 +187,19 @@ def _stop_rdp(ev: PNSGD, orders, batches):
 
     Batches are the steps: m = ⌈n/b⌉ steps with Lipschitz constant L/b_min (as :func:`pnsgd_privacy`).
     """
+    from ._iteration import stop_pnsgd_iteration_rdp  # PNSGD analyses: on first use (see _loaded)
+    from ._pnsgd import stop_geometry  # on first use, as above
+
     m, b_min = stop_geometry(ev.num_records, ev.batch_size)
     return stop_pnsgd_iteration_rdp(orders, m, f64(ev.lipschitz) / b_min, ev.noise_std, positions=batches,
                                     form="logmeanexp")
 
 
 def _pnsgd_rdp(ev: PNSGD, orders: np.ndarray):
+    from . import _pnsgd_poisson, _pnsgd_shuffle  # PNSGD analyses: on first use (see _loaded)
+    from ._iteration import pnsgd_iteration_rdp  # on first use, as above
+    from ._shifted import pnsgd_shifted_gdp  # on first use, as above
+
     if ev.sampling == "poisson":
         return _pnsgd_poisson.event_rdp(ev, orders)
     if ev.sampling == "shuffle":
@@ -252,6 +267,8 @@ def _map_pnsgd(fn, ev: PNSGD, *args):
 
 def _pnsgd_record_eps(ev: PNSGD, target_delta, positions, orders):
     """ε of one (scalar) PNSGD run for the records at ``positions``: ``best`` of :func:`pnsgd_privacy`."""
+    from ._pnsgd import run_privacy  # PNSGD analyses: on first use (see _loaded)
+
     res = run_privacy(ev, target_delta, positions=positions, orders=orders)
     if ev.schedule == "random_stop":
         return jnp.where(_pnsgd_step_ok(ev), res.best, jnp.nan)
@@ -272,6 +289,13 @@ def _pnsgd_epsilon_one(ev: PNSGD, target_delta, orders):
 
 
 def _pnsgd_delta_one(ev: PNSGD, target_epsilon, orders):
+    # PNSGD analyses: on first use (see _loaded).
+    from ._contraction import pnsgd_contraction_delta, step_contraction, stop_pnsgd_contraction_delta
+    from ._hockey_stick import gaussian_hockey_stick  # on first use, as above
+    from ._iteration import linear_rdp_delta, pnsgd_iteration_rdp  # on first use, as above
+    from ._pnsgd import stop_geometry  # on first use, as above
+    from ._shifted import pnsgd_shifted_gdp  # on first use, as above
+
     n = ev.num_records
     m_c = _with_fields(step_contraction, ev)
     if ev.schedule == "random_stop":
@@ -310,9 +334,12 @@ def _rdp_epsilon(event: Event, target_delta, orders: np.ndarray):
     if isinstance(event, PNSGD) and event.sampling == "shuffle":
         # Shuffled batches: the RDP curve and the hockey-stick mixture of the same shift bound.
         _check_pnsgd_support(event, "event")
+        from . import _pnsgd_shuffle  # PNSGD analyses: on first use (see _loaded)
+
         eps = _pnsgd_shuffle.event_epsilon(event, target_delta, orders)
         return jnp.where(_pnsgd_step_ok(event), eps, jnp.nan)
-    curve = _allocation.pruned_curve(event, orders, target_delta)  # random allocation: fewer quadratures
+    allocation = _loaded("_allocation")  # random allocation: fewer quadratures
+    curve = None if allocation is None else allocation.pruned_curve(event, orders, target_delta)
     if curve is not None:
         return rdp_to_epsilon(curve, orders, target_delta).epsilon
     return rdp_to_epsilon(_rdp_compose(event, orders), orders, target_delta).epsilon
@@ -324,6 +351,8 @@ def _rdp_delta(event: Event, target_epsilon, orders: np.ndarray):
         return _map_pnsgd(lambda ev, e: _pnsgd_delta_one(ev, e, orders), event, target_epsilon)
     if isinstance(event, PNSGD) and event.sampling == "shuffle":
         _check_pnsgd_support(event, "event")
+        from . import _pnsgd_shuffle  # PNSGD analyses: on first use (see _loaded)
+
         return jnp.where(_pnsgd_step_ok(event), _pnsgd_shuffle.event_delta(event, target_epsilon, orders), jnp.nan)
     return rdp_to_delta(_rdp_compose(event, orders), orders, target_epsilon).delta
 
