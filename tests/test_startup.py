@@ -53,6 +53,9 @@ def test_accounting_freezes_the_collector_at_exit_only():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split("\n")[:2] == ["running False", "at exit True"], proc.stdout
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**env, "JAXDP_GC_FREEZE_AT_EXIT": "0"}, cwd=ROOT)
+    assert proc.stdout.split("\n")[:2] == ["running False", "at exit False"], proc.stdout  # the opt-out
 
 
 @pytest.mark.parametrize("argv", [

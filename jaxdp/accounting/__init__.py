@@ -15,6 +15,7 @@ and caches: about 0.2 s of a fresh process's 1-2 s on a 2-core machine). Memory 
 to the operating system either way; the only difference is that objects in reference cycles
 still alive at exit are not finalised (``__del__`` of such objects is not guaranteed at exit
 in Python anyway). Exit handlers registered earlier still run after it, unchanged.
+``JAXDP_GC_FREEZE_AT_EXIT=0`` in the environment (read at import) leaves exit as Python has it.
 """
 
 import atexit
@@ -254,5 +255,6 @@ def __dir__():
 # Python's finalisation runs full collections over every tracked object: after ``import jax``
 # that is ~10^5 objects and 0.2-0.3 s of a fresh process's exit (perf: gc_collect_main), more
 # than a tenth of a first ε. Frozen objects are skipped; reference counting still frees what
-# module teardown releases (see the module docstring).
-atexit.register(gc.freeze)
+# module teardown releases (see the module docstring). JAXDP_GC_FREEZE_AT_EXIT=0 opts out.
+if __import__("os").environ.get("JAXDP_GC_FREEZE_AT_EXIT", "1").strip() != "0":
+    atexit.register(gc.freeze)
