@@ -224,6 +224,17 @@ SLOW_IN_CI = {
     "tests/training/test_transformer_norms.py::test_lora_only_trainable_parameters_counted[all-4-6]",
     # Attention with T = 3: q/k/v materialised like T = 6 ([6-8-4]); T = 1 ([1-6-3]) stays.
     "tests/training/test_transformer_norms.py::test_multi_head_attention[3-4-2]",
+    # Exact single-step references, sibling cases: without replacement at the integer order 3
+    # (orders 2 and 8 and the fractional 4.5 stay); truncated Poisson with cap 1 at α = 5 (cap 1
+    # at α = 2 and cap 2 at α = 3 stay). Each order is a new program (~2-3 CPU-s).
+    "tests/accounting/test_sampling.py::test_wor_never_below_single_step_divergence[0.3-0.8-3.0]",
+    "tests/accounting/test_sampling.py::test_truncated_poisson_never_below_exact_single_step[0.7-1-2.0-5.0]",
+    # Micro-batches splitting a batch of capacity 64 evenly (16): the ragged split (7) is the same
+    # path without overflow; (10, 4) overflows into the loop, (64, 64) is one micro-batch (~4 CPU-s).
+    "tests/training/test_dpsgd_accumulation.py::test_micro_batched_update_equals_one_batch_update[64-16]",
+    # A deprecated PLD name: pld_epsilon's case checks the same warning machinery (~2.3 CPU-s).
+    "tests/accounting/test_deprecations.py::test_old_name_warns_naming_the_replacement_and_gives_the_same_value"
+    "[pld_delta]",
 }
 
 # CI runs the property tests with a fixed seed so that a submission's result does not depend
