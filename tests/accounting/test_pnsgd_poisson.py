@@ -309,7 +309,9 @@ def test_event_is_the_accountant_and_in_pnsgd_privacy_best_of():
     ev = _event()
     e = float(A.epsilon(ev, 1e-5))
     assert e == float(_eps(100_000))
-    np.testing.assert_allclose(A.rdp(ev, ORD), A.poisson_pnsgd_rdp(ORD, *RUN.values(), 100_000, **STATIC), rtol=1e-12)
+    orders = A.DEFAULT_ORDERS  # the program of _eps (and of test_defaults_below_composition_and_flat_after_burn_in)
+    np.testing.assert_allclose(A.rdp(ev, orders), A.poisson_pnsgd_rdp(orders, *RUN.values(), 100_000, **STATIC),
+                               rtol=1e-12)
     out = A.pnsgd_privacy(ev, 1e-5, positions=[1, 1000])
     np.testing.assert_array_equal(out.iteration, [e, e])
     np.testing.assert_array_equal(out.best, [e, e])
