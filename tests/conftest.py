@@ -194,6 +194,47 @@ SLOW_IN_CI = {
     "tests/training/test_transformer_norms.py::test_norm_layers_closed_form_random_shapes[3]",
     "tests/training/test_transformer_norms.py::test_lora_closed_form_random_shapes_and_ranks[2]",
     "tests/training/test_transformer_norms.py::test_lora_closed_form_random_shapes_and_ranks[3]",
+    # Session 17 (suite 13:36 on CI's 2 cores; CPU-s from the s16 per-test profile, under load;
+    # the table is in tests/README.md). sampled_without_replacement_rdp's x64-on jit/vmap/grad
+    # (8.1 CPU-s): its x64-off cell of the transformation matrix (vmap(value_and_grad(jit f))
+    # against eager float64 values and central differences) stays, one cell per function.
+    "tests/accounting/test_sampling.py::test_jit_vmap_grad_in_both_x64_modes[wor-True]",
+    # The balls-in-bins run's target, report and resume (8.5 CPU-s): resume bit-identity is the
+    # shuffle case's and test_checkpoint's; the sampler's event is balls_in_bins_event
+    # (test_k_of_t_each_record_in_exactly_k_steps_uniformly), whose ε test_allocation checks
+    # against quadrature and Monte Carlo; the report's path is shuffle's.
+    "tests/training/test_samplers.py::test_run_reaches_target_reports_its_scheme_and_resumes_bit_identically"
+    "[balls-in-bins]",
+    # The keyword door's random-stop PNSGD (7.1 CPU-s): the pnsgd case checks the same keyword
+    # translation to PNSGDMechanism bit for bit; the random stop's report and leaks are
+    # test_loop's and test_faults'.
+    "tests/training/test_mechanisms.py::test_old_and_new_door_give_the_same_epsilon_and_parameters"
+    "[pnsgd_random_stop]",
+    # Transformer layers' fast-path norms against the float64 loop reference: sibling shapes that
+    # take the same branch as a case that stays (1-4 CPU-s each, ~15 in all). Linear on sequences:
+    # materialised like [17-4-6] (T·d·e ≤ T²(d+e)); Gram [3-7-11] and T = 1 [1-5-3] stay.
+    "tests/training/test_transformer_norms.py::test_linear_on_sequences[9-16-2]",
+    "tests/training/test_transformer_norms.py::test_linear_on_sequences[2-2-9]",
+    # Einsum at T = 5: qkv materialised like T = 40; T = 1 and the Gram T = 2 stay.
+    "tests/training/test_transformer_norms.py::test_einsum[5]",
+    # Norm layers with T > 1: [4-5] stays (and T = 1, [1-3]).
+    "tests/training/test_transformer_norms.py::test_layer_norm_and_rms_norm[7-2]",
+    # LoRA rank 4, T = 6: the adapters materialised like rank 1, T = 4 (both wrt cases stay there).
+    "tests/training/test_transformer_norms.py::test_lora_only_trainable_parameters_counted[adapters-4-6]",
+    "tests/training/test_transformer_norms.py::test_lora_only_trainable_parameters_counted[all-4-6]",
+    # Attention with T = 3: q/k/v materialised like T = 6 ([6-8-4]); T = 1 ([1-6-3]) stays.
+    "tests/training/test_transformer_norms.py::test_multi_head_attention[3-4-2]",
+    # Exact single-step references, sibling cases: without replacement at the integer order 3
+    # (orders 2 and 8 and the fractional 4.5 stay); truncated Poisson with cap 1 at α = 5 (cap 1
+    # at α = 2 and cap 2 at α = 3 stay). Each order is a new program (~2-3 CPU-s).
+    "tests/accounting/test_sampling.py::test_wor_never_below_single_step_divergence[0.3-0.8-3.0]",
+    "tests/accounting/test_sampling.py::test_truncated_poisson_never_below_exact_single_step[0.7-1-2.0-5.0]",
+    # Micro-batches splitting a batch of capacity 64 evenly (16): the ragged split (7) is the same
+    # path without overflow; (10, 4) overflows into the loop, (64, 64) is one micro-batch (~4 CPU-s).
+    "tests/training/test_dpsgd_accumulation.py::test_micro_batched_update_equals_one_batch_update[64-16]",
+    # A deprecated PLD name: pld_epsilon's case checks the same warning machinery (~2.3 CPU-s).
+    "tests/accounting/test_deprecations.py::test_old_name_warns_naming_the_replacement_and_gives_the_same_value"
+    "[pld_delta]",
 }
 
 # CI runs the property tests with a fixed seed so that a submission's result does not depend

@@ -372,8 +372,8 @@ def _grid_sizes_check(sizes):
 
 
 def test_gaussian_never_below_closed_form_across_grid_sizes():
-    # 2^14 (the default) and 2^20; the slow every-grid-size test runs 2^10..2^20.
-    _grid_sizes_check([2**14, 2**20])
+    # 2^14 (the default); the slow every-grid-size test runs 2^10..2^20 (2^20 left CI in s17).
+    _grid_sizes_check([2**14])
 
 
 @pytest.mark.slow

@@ -64,10 +64,11 @@ def test_defaults_below_composition_and_flat_after_burn_in():
     eps = [float(_eps(T)) for T in Ts]
     assert all(b >= a for a, b in zip(eps, eps[1:])), eps  # non-decreasing in T
     assert eps[-1] == eps[-2] == eps[-3], eps  # flat after the burn-in (~2,000 steps here)
-    _, tau = A.poisson_pnsgd_rdp(ORD, *RUN.values(), 1_000_000, **STATIC, return_burn_in=True)
+    # The default orders (those of _eps): the same compiled program (ORD would compile another, ~10 CPU-s).
+    orders = A.DEFAULT_ORDERS
+    _, tau = A.poisson_pnsgd_rdp(orders, *RUN.values(), 1_000_000, **STATIC, return_burn_in=True)
     assert 1_000 < float(jnp.max(tau)) < 10_000
     # Composition of the same steps (truncated Poisson), converted the same way.
-    orders = A.DEFAULT_ORDERS
     step = A.truncated_poisson_rdp(orders, 0.01, 1000, 20, 10.0)
     for T, e in zip(Ts[3:], eps[3:]):
         comp = float(A.rdp_to_epsilon(T * step, orders, 1e-5).epsilon)
@@ -308,7 +309,9 @@ def test_event_is_the_accountant_and_in_pnsgd_privacy_best_of():
     ev = _event()
     e = float(A.epsilon(ev, 1e-5))
     assert e == float(_eps(100_000))
-    np.testing.assert_allclose(A.rdp(ev, ORD), A.poisson_pnsgd_rdp(ORD, *RUN.values(), 100_000, **STATIC), rtol=1e-12)
+    orders = A.DEFAULT_ORDERS  # the program of _eps (and of test_defaults_below_composition_and_flat_after_burn_in)
+    np.testing.assert_allclose(A.rdp(ev, orders), A.poisson_pnsgd_rdp(orders, *RUN.values(), 100_000, **STATIC),
+                               rtol=1e-12)
     out = A.pnsgd_privacy(ev, 1e-5, positions=[1, 1000])
     np.testing.assert_array_equal(out.iteration, [e, e])
     np.testing.assert_array_equal(out.best, [e, e])
