@@ -70,6 +70,18 @@ loaded from this cache is trusted only once its first run completes: if that run
 file and index entry are removed and the call goes to ``jax.jit`` (this also clears such files
 written by earlier versions).
 
+Programs prepared ahead. An accountant that runs several programs in turn, each on the
+previous ones' results (``pnsgd_privacy``: setup, shifted-interpolation μ, inversions), can
+have them all compiled at once with :func:`prepare`: the chain is first run in a planning
+mode where each call traces and lowers its program on the caller's thread and hands it to
+a thread of its own that loads it from this cache or compiles it (and writes it), returning
+only its result's shapes to the next call; XLA releases Python's lock while compiling, so
+the next program's tracing and, on several cores, the compilations overlap. Each call then
+takes its program from its thread, under the same signature as above. The lowering is the
+call's own (the same bytes, so the same key) and the compile thread takes the caller's x64
+scope and compiles only if every JAX setting is then the caller's (else the call compiles
+as usual): no value depends on whether a program was prepared.
+
 Where: ``$JAXDP_CACHE_DIR/programs`` (the index entries in ``…/index`` beside it) if
 ``JAXDP_CACHE_DIR`` is set, else
 ``$XDG_CACHE_HOME/jaxdp/programs`` (``~/.cache/jaxdp/programs``; on Windows under

@@ -289,6 +289,8 @@ def test_prepare_compiles_each_program_once_and_changes_no_bit(tmp_path, monkeyp
         want = jax.jit(lambda x, y: _chain(x, y, 5))(x, 2.0)  # traced: jax.jit's programs
         before = dict(_program_cache.stats)
         _program_cache.prepare(_chain, x, 2.0, k=5)
+        jobs = [*_first._ahead.values(), *_second._ahead.values()]
+        assert len(jobs) == 2 and all(job.result()[0] is not None for job in jobs)  # compiled in their threads
         got = _chain(x, 2.0, k=5)
         assert got.dtype == np.float64
         assert _program_cache.stats["compiled"] == before["compiled"] + 2  # each compiled once, in its thread
