@@ -481,7 +481,7 @@ class _Persistent:
             if getattr(lowered._lowering, "const_args", None) != []:  # constants outside the module: not keyed
                 return None, ()
             if path is None:
-                stats["compiled"] += 1
+                _count("compiled")
                 return _compile(jax, lowered), ()
             key = hashlib.sha256(_environment(jax) + b"\0" + _program(lowered)).hexdigest()
             trees = (jax.tree_util.tree_structure(lowered.args_info), lowered.out_tree)
@@ -490,11 +490,11 @@ class _Persistent:
         file = os.path.join(path, f"{self._name}-{key[:48]}{_SUFFIX}")
         compiled = _read(jax, file, *trees)
         if compiled is not None:
-            stats["loaded"] += 1
+            _count("loaded")
             loaded = (file,) if entry is None else (file, entry)
         else:
             compiled = _compile(jax, lowered)
-            stats["compiled"] += 1
+            _count("compiled")
             loaded = ()
             if not _write(file, compiled, path):
                 return compiled, loaded
@@ -502,6 +502,14 @@ class _Persistent:
             _write_entry(entry, os.path.basename(file), trees)
         return compiled, loaded
 
+
+def _count(name: str) -> None:
+    """``stats[name] += 1`` under a lock (prepare's threads count too)."""
+    with _stats_lock:
+        stats[name] += 1
+
+
+_stats_lock = threading.Lock()
 
 # Programs prepared ahead (see prepare).
 _planning = threading.local()  # .on: this thread is running a chain in prepare's planning mode
