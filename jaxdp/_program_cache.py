@@ -574,11 +574,18 @@ def prepare(chain: Callable, *args, **kwargs) -> None:
     arguments and abstract values as the call itself would lower it (the same StableHLO
     bytes, so the same disk-cache key), and compiled with the same options and JAX
     configuration (the thread takes the caller's x64 scope, and compiles only if then every
-    configuration value is the caller's; else the call compiles as usual). Planning stops,
-    silently, at the first call that cannot be planned (a traced argument, an error, a
-    computation on a planned result, a program that an index entry serves: loaded, not
-    traced, then planning goes on with its result's shapes); the calls not prepared run
-    as usual. Under a caller's ``jit``, ``vmap`` or ``grad`` it does nothing.
+    configuration value is the caller's; else the call compiles as usual). A program that
+    is in memory, or that an index entry names (loaded there, untraced, as the call itself
+    would load it), is not compiled again: planning goes on with its result's shapes.
+    Planning stops, silently, at the first call that cannot be planned (a traced argument,
+    an error, a computation on a planned result); the calls not prepared run as usual.
+    Under a caller's ``jit``, ``vmap`` or ``grad`` it does nothing.
+
+    Args:
+      chain: the function whose persistent calls to prepare; it is run here with the
+        same arguments, and its result is discarded.
+      *args: the arguments the caller will pass to ``chain`` (concrete).
+      **kwargs: likewise.
     """
     if "jax" not in sys.modules or getattr(_planning, "on", False):
         return
