@@ -283,6 +283,7 @@ def _bits(x):
 @pytest.mark.parametrize("cache", ["off", "folder"])
 def test_prepare_compiles_each_program_once_and_changes_no_bit(tmp_path, monkeypatch, cache):
     monkeypatch.setenv("JAXDP_CACHE_DIR", "off" if cache == "off" else str(tmp_path))
+    monkeypatch.setattr(_program_cache, "_cores", lambda: 2)
     _program_cache.clear_memory()
     x = np.linspace(0.0, 3.0, 7)
     with jax.enable_x64(True):  # the caller's x64 scope, which the compile threads take on
@@ -308,6 +309,7 @@ def test_prepare_compiles_each_program_once_and_changes_no_bit(tmp_path, monkeyp
 
 def test_prepare_stops_where_it_cannot_plan_and_the_calls_run_as_usual(monkeypatch):
     monkeypatch.setenv("JAXDP_CACHE_DIR", "off")
+    monkeypatch.setattr(_program_cache, "_cores", lambda: 2)
     _program_cache.clear_memory()
     x = np.linspace(0.0, 3.0, 6)
 
@@ -321,14 +323,18 @@ def test_prepare_stops_where_it_cannot_plan_and_the_calls_run_as_usual(monkeypat
     got = computed(x, 2.0, k=3)
     assert _program_cache.stats["compiled"] == before + 2 and not _first._ahead
     np.testing.assert_array_equal(_bits(got), _bits(jax.jit(lambda x: computed(x, 2.0, 3))(x)))
-    # Under the caller's jit: nothing prepared.
+    # Under the caller's jit: nothing prepared; on a single core neither.
     jax.jit(lambda x: _program_cache.prepare(_chain, x, 2.0, k=3) or _chain(x, 2.0, k=3))(x)
+    assert not _first._ahead and not _second._ahead
+    monkeypatch.setattr(_program_cache, "_cores", lambda: 1)
+    _program_cache.prepare(_chain, x + 1.0, 2.0, k=3)
     assert not _first._ahead and not _second._ahead
 
 
 def test_a_prepared_compile_needs_the_callers_whole_configuration(monkeypatch):
     """A scoped JAX setting the compile thread does not take on: the call compiles as usual."""
     monkeypatch.setenv("JAXDP_CACHE_DIR", "off")
+    monkeypatch.setattr(_program_cache, "_cores", lambda: 2)
     _program_cache.clear_memory()
     x = np.linspace(0.0, 3.0, 5)
     before = _program_cache.stats["compiled"]
