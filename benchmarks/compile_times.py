@@ -5,8 +5,10 @@ with jaxdp's program cache empty (``JAXDP_CACHE_DIR`` set to a new folder; JAX's
 persistent cache off), and reports the import of ``jaxdp.accounting`` (with the modules of
 the names the case uses, which load on first use), the first call split into tracing,
 lowering to StableHLO and XLA compilation (JAX's monitoring events,
-summed over every program the call compiles), the first call's CPU time (XLA compiles on
-several threads; on a loaded machine CPU time is the steadier figure), the size of the
+summed over every program the call compiles; programs compiled at once by
+``_program_cache.prepare``, as ``pnsgd_privacy``'s three are, overlap, so their sum can
+exceed the call's wall time), the first call's CPU time (XLA compiles on several threads;
+on a loaded machine CPU time is the steadier figure), the size of the
 lowered programs jaxdp's cache keys, and the best of three later calls. ``--warm-cache``
 runs a second process on the folder the first one filled: its first call loads the
 compiled programs (without tracing where jaxdp's index has the call's signature).

@@ -70,6 +70,18 @@ loaded from this cache is trusted only once its first run completes: if that run
 file and index entry are removed and the call goes to ``jax.jit`` (this also clears such files
 written by earlier versions).
 
+Programs prepared ahead. An accountant that runs several programs in turn, each on the
+previous ones' results (``pnsgd_privacy``: setup, shifted-interpolation μ, inversions), can
+have them all compiled at once with :func:`prepare`: the chain is first run in a planning
+mode where each call traces and lowers its program on the caller's thread and hands it to
+a thread of its own that loads it from this cache or compiles it (and writes it), returning
+only its result's shapes to the next call; XLA releases Python's lock while compiling, so
+the next program's tracing and, on several cores, the compilations overlap. Each call then
+takes its program from its thread, under the same signature as above. The lowering is the
+call's own (the same bytes, so the same key) and the compile thread takes the caller's x64
+scope and compiles only if every JAX setting is then the caller's (else the call compiles
+as usual): no value depends on whether a program was prepared.
+
 Where: ``$JAXDP_CACHE_DIR/programs`` (the index entries in ``…/index`` beside it) if
 ``JAXDP_CACHE_DIR`` is set, else
 ``$XDG_CACHE_HOME/jaxdp/programs`` (``~/.cache/jaxdp/programs``; on Windows under
@@ -100,7 +112,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["cache_dir", "clear_memory", "persistent", "stats"]
+__all__ = ["cache_dir", "clear_memory", "persistent", "prepare", "stats"]
 
 _OFF = ("", "0", "off", "no", "none", "false")
 _MAGIC = b"jaxdp-program-1\n"
@@ -301,6 +313,7 @@ def clear_memory() -> None:
     for fn in list(_ALL):
         with fn._lock:
             fn._memo.clear()
+            fn._ahead.clear()
 
 
 class _Persistent:
@@ -312,6 +325,7 @@ class _Persistent:
         self._static_argnums = frozenset(static_argnums)
         self._static_argnames = frozenset(static_argnames)
         self._memo: OrderedDict = OrderedDict()
+        self._ahead: OrderedDict = OrderedDict()  # signature -> _Job (see prepare)
         self._lock = threading.Lock()
         functools.update_wrapper(self, jitted)
         _ALL.add(self)
@@ -326,40 +340,25 @@ class _Persistent:
             return self._jitted(*args, **kwargs)
         import jax
 
-        path = cache_dir()
-        dyn_args = tuple(a for i, a in enumerate(args) if i not in self._static_argnums)
-        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self._static_argnames}
-        leaves, treedef = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
-        if (any(isinstance(x, jax.core.Tracer) for x in leaves) or jax.config.jax_disable_jit
-                or jax.config.jax_debug_nans or jax.config.jax_debug_infs or jax.device_count() != 1):
+        if getattr(_planning, "on", False):
+            return self._plan(jax, args, kwargs)
+        key = self._signature(jax, args, kwargs)
+        if key is None:
             stats["bypassed"] += 1
             return self._jitted(*args, **kwargs)
-        # On disk only where the folder is usable and JAX's own persistent cache is not
-        # configured; otherwise compiled here (with the compiler options) and kept in memory.
-        if path is not None and (_jax_cache_on() or not _usable_dir(path)):
-            path = None
-        try:
-            from jax._src import config as _config
-
-            static = (tuple((i, args[i]) for i in sorted(self._static_argnums) if i < len(args)),
-                      tuple(sorted((k, v) for k, v in kwargs.items() if k in self._static_argnames)))
-            # str(treedef) names the classes: tree structures of two pytree classes with the
-            # same fields can compare equal (JAX's register_dataclass; see jaxdp._pytree).
-            avals = tuple(jax.typeof(x) for x in leaves)
-            context = _config.trace_context()
-            signature = (path, static, treedef, str(treedef), avals, context)
-            hash(signature)
-        except Exception:  # an unhashable static argument, an internal API that moved
-            stats["bypassed"] += 1
-            return self._jitted(*args, **kwargs)
+        signature, path, index_args, dyn_args, dyn_kwargs = key
         with self._lock:
             compiled = self._memo.get(signature)
             if compiled is not None:
                 self._memo.move_to_end(signature)
+            job = self._ahead.pop(signature, None) if compiled is None else None
         if compiled is not None:
             return compiled(*dyn_args, **dyn_kwargs)
-        index = None if path is None else _index_key(jax, self._name, static, treedef, avals, context)
-        compiled, files = self._load_or_compile(jax, path, args, kwargs, index)
+        # Prepared ahead (see prepare): its program, compiled or loaded; if that failed, as usual.
+        compiled, files = (None, ()) if job is None else job.result()
+        if compiled is None:
+            index = None if path is None else _index_key(jax, self._name, *index_args)
+            compiled, files = self._load_or_compile(jax, path, args, kwargs, index)
         if compiled is None:
             stats["bypassed"] += 1
             return self._jitted(*args, **kwargs)
@@ -381,6 +380,84 @@ class _Persistent:
                 self._memo.popitem(last=False)
         return out
 
+    def _signature(self, jax, args, kwargs):
+        """``(signature, path, index_args, dyn_args, dyn_kwargs)`` of an eager call, or None to go
+        to jax.jit (traced arguments, several devices, an unhashable static argument...).
+
+        The signature keys the memory cache: the folder, static arguments, tree structure,
+        abstract values and JAX's trace context. Leaves may be ``jax.ShapeDtypeStruct``s (a
+        call planned ahead): their abstract values are those of arrays of that shape and type.
+        """
+        path = cache_dir()
+        dyn_args = tuple(a for i, a in enumerate(args) if i not in self._static_argnums)
+        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self._static_argnames}
+        leaves, treedef = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+        if (any(isinstance(x, jax.core.Tracer) for x in leaves) or jax.config.jax_disable_jit
+                or jax.config.jax_debug_nans or jax.config.jax_debug_infs or jax.device_count() != 1):
+            return None
+        # On disk only where the folder is usable and JAX's own persistent cache is not
+        # configured; otherwise compiled here (with the compiler options) and kept in memory.
+        if path is not None and (_jax_cache_on() or not _usable_dir(path)):
+            path = None
+        try:
+            from jax._src import config as _config
+
+            static = (tuple((i, args[i]) for i in sorted(self._static_argnums) if i < len(args)),
+                      tuple(sorted((k, v) for k, v in kwargs.items() if k in self._static_argnames)))
+            # str(treedef) names the classes: tree structures of two pytree classes with the
+            # same fields can compare equal (JAX's register_dataclass; see jaxdp._pytree).
+            avals = tuple(jax.typeof(x) for x in leaves)
+            context = _config.trace_context()
+            signature = (path, static, treedef, str(treedef), avals, context)
+            hash(signature)
+        except Exception:  # an unhashable static argument, an internal API that moved
+            return None
+        return signature, path, (static, treedef, avals, context), dyn_args, dyn_kwargs
+
+    def _plan(self, jax, args, kwargs):
+        """A call inside :func:`prepare`: start this program's compilation (or load it) and return
+        the shapes of its result, a tree of ``jax.ShapeDtypeStruct``; :class:`_Stop` where unsure."""
+        key = self._signature(jax, args, kwargs)
+        if key is None:
+            raise _Stop
+        signature, path, index_args, _, _ = key
+        with self._lock:
+            compiled = self._memo.get(signature)
+            job = self._ahead.get(signature)
+        if compiled is not None:
+            return compiled.out_info
+        if job is not None:
+            return job.out_info
+        index = None if path is None else _index_key(jax, self._name, *index_args)
+        entry = None if index is None else os.path.join(os.path.dirname(path), "index", f"{self._name}-{index[:48]}")
+        _planning.on = False  # persistent calls made while tracing this program are real calls
+        try:
+            job = self._start(jax, path, args, kwargs, index, entry)
+        finally:
+            _planning.on = True
+        with self._lock:
+            self._ahead[signature] = job
+            while len(self._ahead) > _MEMO_SIZE:
+                self._ahead.popitem(last=False)
+        return job.out_info
+
+    def _start(self, jax, path, args, kwargs, index, entry):
+        """The :class:`_Job` of a planned call (see :meth:`_plan`)."""
+        if entry is not None and os.path.exists(entry):
+            # Warm: loaded here, untraced, as the call itself would (a job already done).
+            job = _Job(None)
+            job.done = self._load_or_compile(jax, path, args, kwargs, index)
+            if job.done[0] is None:
+                raise _Stop
+            job.out_info = job.done[0].out_info
+        else:
+            # Traced and lowered here (this thread's JAX configuration, x64 scope included);
+            # loaded or compiled, and written, in a thread of its own.
+            lowered = self._jitted.trace(*args, **kwargs).lower()
+            job = _Job(lowered.out_info)
+            job.start(self, jax, path, lowered, entry)
+        return job
+
     def _load_or_compile(self, jax, path: str | None, args, kwargs, index: str | None = None):
         """The compiled program and, if it was loaded from disk, the files it came from (removed
         if its first run fails); ``(None, ())`` to use jax.jit. ``path`` None: compile, no disk."""
@@ -393,10 +470,18 @@ class _Persistent:
                 return compiled, (entry, file)
         try:
             lowered = self._jitted.lower(*args, **kwargs)
+        except Exception:
+            return None, ()
+        return self._from_lowered(jax, path, lowered, entry)
+
+    def _from_lowered(self, jax, path: str | None, lowered, entry: str | None):
+        """The second half of :meth:`_load_or_compile`: the lowered program loaded from disk, or
+        compiled (and written); also run by :func:`prepare`'s background threads."""
+        try:
             if getattr(lowered._lowering, "const_args", None) != []:  # constants outside the module: not keyed
                 return None, ()
             if path is None:
-                stats["compiled"] += 1
+                _count("compiled")
                 return _compile(jax, lowered), ()
             key = hashlib.sha256(_environment(jax) + b"\0" + _program(lowered)).hexdigest()
             trees = (jax.tree_util.tree_structure(lowered.args_info), lowered.out_tree)
@@ -405,17 +490,125 @@ class _Persistent:
         file = os.path.join(path, f"{self._name}-{key[:48]}{_SUFFIX}")
         compiled = _read(jax, file, *trees)
         if compiled is not None:
-            stats["loaded"] += 1
+            _count("loaded")
             loaded = (file,) if entry is None else (file, entry)
         else:
             compiled = _compile(jax, lowered)
-            stats["compiled"] += 1
+            _count("compiled")
             loaded = ()
             if not _write(file, compiled, path):
                 return compiled, loaded
         if entry is not None:
             _write_entry(entry, os.path.basename(file), trees)
         return compiled, loaded
+
+
+def _count(name: str) -> None:
+    """``stats[name] += 1`` under a lock (prepare's threads count too)."""
+    with _stats_lock:
+        stats[name] += 1
+
+
+_stats_lock = threading.Lock()
+
+# Programs prepared ahead (see prepare).
+_planning = threading.local()  # .on: this thread is running a chain in prepare's planning mode
+
+
+class _Stop(Exception):
+    """A planned call that cannot be prepared: planning stops, the calls run as usual."""
+
+
+class _Job:
+    """One program being loaded or compiled in a background thread for :func:`prepare`."""
+
+    def __init__(self, out_info):
+        self.out_info = out_info
+        self.done = None
+        self._thread = None
+
+    def start(self, fn: _Persistent, jax, path, lowered, entry) -> None:
+        x64 = bool(jax.config.jax_enable_x64)
+        environment = _environment(jax)
+
+        def work():
+            try:
+                # The compile reads JAX's configuration, whose scoped values are per thread:
+                # this thread takes the caller's x64 scope and goes on only if then every
+                # configuration value (what the cache keys as the environment) is the caller's.
+                with jax.enable_x64(x64):
+                    if _environment(jax) != environment:
+                        self.done = (None, ())
+                        return
+                    self.done = fn._from_lowered(jax, path, lowered, entry)
+            except Exception:
+                self.done = (None, ())
+
+        self._thread = threading.Thread(target=work, name=f"jaxdp-prepare-{fn._name}")
+        self._thread.start()
+
+    def result(self):
+        """``(compiled, files)`` as :meth:`_Persistent._load_or_compile` returns it (waits)."""
+        if self._thread is not None:
+            self._thread.join()
+        return self.done if self.done is not None else (None, ())
+
+
+def _cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def prepare(chain: Callable, *args, **kwargs) -> None:
+    """Start compiling, all at once, the programs that ``chain(*args, **kwargs)`` will run.
+
+    ``chain`` is a function that calls :func:`persistent` functions in turn, each on the
+    previous ones' results (or parts of them, indexed or passed through; nothing computed on
+    them). A program's compilation does not need its inputs' values, only their shapes and
+    types, and XLA releases Python's lock while it compiles. So ``chain`` is run once here
+    in a planning mode, where each persistent call traces and lowers its program, starts its
+    compilation (or the load from this cache, and the write to it) in a thread of its own,
+    and returns the shapes of its result (``jax.ShapeDtypeStruct`` leaves) for the next
+    call; tracing the next program overlaps the previous ones' compilation, and on a
+    machine with several cores the compilations overlap too. Then the caller runs ``chain``
+    as usual: each call finds its program prepared under the same signature (the key of the
+    memory cache: folder, static arguments, tree structure, abstract values, trace context)
+    and waits for it if it is not done yet.
+
+    Nothing changes a value: each program is lowered from the same function, static
+    arguments and abstract values as the call itself would lower it (the same StableHLO
+    bytes, so the same disk-cache key), and compiled with the same options and JAX
+    configuration (the thread takes the caller's x64 scope, and compiles only if then every
+    configuration value is the caller's; else the call compiles as usual). A program that
+    is in memory, or that an index entry names (loaded there, untraced, as the call itself
+    would load it), is not compiled again: planning goes on with its result's shapes.
+    Planning stops, silently, at the first call that cannot be planned (a traced argument,
+    an error, a computation on a planned result); the calls not prepared run as usual.
+    Under a caller's ``jit``, ``vmap`` or ``grad`` it does nothing, and on a single core
+    too (nothing would overlap: three compiles at once cost ~5 % more CPU than in turn).
+
+    Args:
+      chain: the function whose persistent calls to prepare; it is run here with the
+        same arguments, and its result is discarded.
+      *args: the arguments the caller will pass to ``chain`` (concrete).
+      **kwargs: likewise.
+    """
+    if "jax" not in sys.modules or getattr(_planning, "on", False) or _cores() < 2:
+        return
+    import jax
+
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((args, kwargs))):
+        return
+    _planning.on = True
+    try:
+        chain(*args, **kwargs)
+    except Exception:  # _Stop, or anything else: the calls themselves run as usual
+        pass
+    finally:
+        _planning.on = False
 
 
 def _checked(file: str, magic: bytes) -> bytes | None:

@@ -7,6 +7,7 @@ the same process or a fresh one: the cache may change the time of a call, never 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -254,3 +255,93 @@ def test_compiler_options_change_no_bits_and_apply_with_the_cache_off(monkeypatc
     _fresh_memo()
     np.testing.assert_array_equal(with_options.view(np.uint64), defaults.view(np.uint64))
     assert np.all(np.isfinite(with_options))
+
+
+# prepare: the programs of a chain compiled at once (threads), each call then finds its own.
+@_program_cache.persistent("test_first")
+@jax.jit
+def _first(x, y):
+    return {"s": jax.numpy.sin(x) * y, "n": jax.numpy.cos(x).sum()}
+
+
+@_program_cache.persistent("test_second", static_argnames=("k",))
+@functools.partial(jax.jit, static_argnames=("k",))
+def _second(s, n, k):
+    return jax.numpy.exp(s[:k]) + n
+
+
+def _chain(x, y, k):
+    out = _first(x, y)
+    return _second(out["s"], out["n"], k=k)
+
+
+def _bits(x):
+    x = np.asarray(x)
+    return x.view(np.uint64 if x.dtype.itemsize == 8 else np.uint32)
+
+
+@pytest.mark.parametrize("cache", ["off", "folder"])
+def test_prepare_compiles_each_program_once_and_changes_no_bit(tmp_path, monkeypatch, cache):
+    monkeypatch.setenv("JAXDP_CACHE_DIR", "off" if cache == "off" else str(tmp_path))
+    monkeypatch.setattr(_program_cache, "_cores", lambda: 2)
+    _program_cache.clear_memory()
+    x = np.linspace(0.0, 3.0, 7)
+    with jax.enable_x64(True):  # the caller's x64 scope, which the compile threads take on
+        want = jax.jit(lambda x, y: _chain(x, y, 5))(x, 2.0)  # traced: jax.jit's programs
+        before = dict(_program_cache.stats)
+        _program_cache.prepare(_chain, x, 2.0, k=5)
+        jobs = [*_first._ahead.values(), *_second._ahead.values()]
+        assert len(jobs) == 2 and all(job.result()[0] is not None for job in jobs)  # compiled in their threads
+        got = _chain(x, 2.0, k=5)
+        assert got.dtype == np.float64
+        assert _program_cache.stats["compiled"] == before["compiled"] + 2  # each compiled once, in its thread
+        assert not _first._ahead and not _second._ahead  # every prepared program taken by its call
+        np.testing.assert_array_equal(_bits(got), _bits(want))
+        _program_cache.prepare(_chain, x, 2.0, k=5)  # in memory now: nothing to prepare
+        assert _program_cache.stats["compiled"] == before["compiled"] + 2 and not _second._ahead
+        if cache == "folder":  # a warm start: loaded (untraced) while planning, same bits
+            _program_cache.clear_memory()
+            _program_cache.prepare(_chain, x, 2.0, k=5)
+            np.testing.assert_array_equal(_bits(_chain(x, 2.0, k=5)), _bits(want))
+            assert _program_cache.stats["untraced"] == before["untraced"] + 2
+            assert _program_cache.stats["compiled"] == before["compiled"] + 2
+
+
+def test_prepare_stops_where_it_cannot_plan_and_the_calls_run_as_usual(monkeypatch):
+    monkeypatch.setenv("JAXDP_CACHE_DIR", "off")
+    monkeypatch.setattr(_program_cache, "_cores", lambda: 2)
+    _program_cache.clear_memory()
+    x = np.linspace(0.0, 3.0, 6)
+
+    def computed(x, y, k):  # a computation on a planned result: planning stops there
+        out = _first(x, y)
+        return _second(out["s"] * 2.0, out["n"], k=k)
+
+    before = _program_cache.stats["compiled"]
+    _program_cache.prepare(computed, x, 2.0, k=3)
+    assert len(_first._ahead) == 1 and not _second._ahead
+    got = computed(x, 2.0, k=3)
+    assert _program_cache.stats["compiled"] == before + 2 and not _first._ahead
+    np.testing.assert_array_equal(_bits(got), _bits(jax.jit(lambda x: computed(x, 2.0, 3))(x)))
+    # Under the caller's jit: nothing prepared; on a single core neither.
+    jax.jit(lambda x: _program_cache.prepare(_chain, x, 2.0, k=3) or _chain(x, 2.0, k=3))(x)
+    assert not _first._ahead and not _second._ahead
+    monkeypatch.setattr(_program_cache, "_cores", lambda: 1)
+    _program_cache.prepare(_chain, x + 1.0, 2.0, k=3)
+    assert not _first._ahead and not _second._ahead
+
+
+def test_a_prepared_compile_needs_the_callers_whole_configuration(monkeypatch):
+    """A scoped JAX setting the compile thread does not take on: the call compiles as usual."""
+    monkeypatch.setenv("JAXDP_CACHE_DIR", "off")
+    monkeypatch.setattr(_program_cache, "_cores", lambda: 2)
+    _program_cache.clear_memory()
+    x = np.linspace(0.0, 3.0, 5)
+    before = _program_cache.stats["compiled"]
+    with jax.default_matmul_precision("highest"):
+        _program_cache.prepare(_chain, x, 2.0, k=2)
+        job = _first._ahead[next(iter(_first._ahead))]
+        assert job.result() == (None, ())  # refused in the thread
+        got = _chain(x, 2.0, k=2)
+    assert _program_cache.stats["compiled"] == before + 2
+    np.testing.assert_array_equal(_bits(got), _bits(jax.jit(lambda x: _chain(x, 2.0, 2))(x)))

@@ -25,7 +25,7 @@ import numpy as np
 from .. import _validate
 from .._deprecations import warn_old_signature
 from .._numerics import f64, float64
-from .._program_cache import persistent
+from .._program_cache import persistent, prepare
 from .._validate import check_integer, check_learning_rate, check_positions, is_int, learning_rate_valid, nan_unless
 from ._contraction import _batch_geometry, _eps_bracket, _log_delta_from, _solve_eps, step_contraction
 from ._contraction import stop_pnsgd_contraction_epsilon
@@ -120,14 +120,23 @@ def _privacy_core(pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt, sc_form, siz
     GDP conversion, one loop with one traced copy of θ) with the minimum. XLA's compile time
     grows faster than the size of a program, so the large parts compile in less time apart
     than as a whole; each program also has a fixed cost, so the small parts ride with a
-    neighbour. Under a caller's ``jit`` they are inlined. The outputs are the first ``size``
-    entries reshaped to ``shape`` (default: all, flat).
+    neighbour. An eager call first prepares the three programs at once
+    (:func:`jaxdp._program_cache.prepare`: each traced in turn, compiled in a thread while
+    the next is traced); under a caller's ``jit`` they are inlined. The outputs are the
+    first ``size`` entries reshaped to ``shape`` (default: all, flat).
     """
+    size = pos.shape[0] if size is None else size
+    shape = (size,) if shape is None else tuple(shape)
+    args = (pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt)
+    prepare(_privacy_chain, *args, sc_form=sc_form, size=size, shape=shape)
+    return _privacy_chain(*args, sc_form=sc_form, size=size, shape=shape)
+
+
+def _privacy_chain(pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt, sc_form, size, shape):
+    """The three programs of :func:`_privacy_core` in turn (each on the previous ones' results)."""
     st = _privacy_setup(pos, n, lip, beta, rho, eta, sig, dia, b, k, dlt, sc_form=sc_form)
     mu = _shifted_mu_part(st["pos_s"], st["n_s"], st["lip_s"], beta, rho, st["eta_s"], st["sig_s"], st["dia_s"],
                           st["b_s"], st["k_s"], st["scal_ok"])
-    size = pos.shape[0] if size is None else size
-    shape = (size,) if shape is None else tuple(shape)
     return _invert_combine(st["valid"], st["sel"], st["r_first2"], st["rc"], st["later"], st["eps_i"], st["eps_s"],
                            st["eps_g2"], mu, st["log_t"], size=size, shape=shape)
 
