@@ -344,7 +344,7 @@ class _Persistent:
             return self._plan(jax, args, kwargs)
         key = self._signature(jax, args, kwargs)
         if key is None:
-            stats["bypassed"] += 1
+            _count("bypassed")
             return self._jitted(*args, **kwargs)
         signature, path, index_args, dyn_args, dyn_kwargs = key
         with self._lock:
@@ -360,14 +360,14 @@ class _Persistent:
             index = None if path is None else _index_key(jax, self._name, *index_args)
             compiled, files = self._load_or_compile(jax, path, args, kwargs, index)
         if compiled is None:
-            stats["bypassed"] += 1
+            _count("bypassed")
             return self._jitted(*args, **kwargs)
         out = compiled(*dyn_args, **dyn_kwargs)
         if files:  # loaded from disk: trusted once its first run completes
             try:
                 jax.block_until_ready(out)
             except Exception:  # e.g. a program serialised from an executable JAX's cache had loaded
-                stats["discarded"] += 1
+                _count("discarded")
                 for file in files:
                     try:
                         os.remove(file)
@@ -429,7 +429,7 @@ class _Persistent:
         if job is not None:
             return job.out_info
         index = None if path is None else _index_key(jax, self._name, *index_args)
-        entry = None if index is None else os.path.join(os.path.dirname(path), "index", f"{self._name}-{index[:48]}")
+        entry = self._entry(path, index)
         _planning.on = False  # persistent calls made while tracing this program are real calls
         try:
             job = self._start(jax, path, args, kwargs, index, entry)
@@ -458,15 +458,19 @@ class _Persistent:
             job.start(self, jax, path, lowered, entry)
         return job
 
+    def _entry(self, path: str | None, index: str | None) -> str | None:
+        """The index entry's file of a call keyed ``index`` (None: no index)."""
+        return None if index is None else os.path.join(os.path.dirname(path), "index", f"{self._name}-{index[:48]}")
+
     def _load_or_compile(self, jax, path: str | None, args, kwargs, index: str | None = None):
         """The compiled program and, if it was loaded from disk, the files it came from (removed
         if its first run fails); ``(None, ())`` to use jax.jit. ``path`` None: compile, no disk."""
-        entry = None if index is None else os.path.join(os.path.dirname(path), "index", f"{self._name}-{index[:48]}")
+        entry = self._entry(path, index)
         if entry is not None:
             compiled, file = _read_untraced(jax, entry, path)
             if compiled is not None:
-                stats["loaded"] += 1
-                stats["untraced"] += 1
+                _count("loaded")
+                _count("untraced")
                 return compiled, (entry, file)
         try:
             lowered = self._jitted.lower(*args, **kwargs)

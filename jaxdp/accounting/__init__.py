@@ -22,6 +22,7 @@ import atexit
 import functools
 import gc
 import importlib
+import os
 
 from .._deprecations import deprecation_getattr as _deprecation_getattr
 
@@ -256,5 +257,5 @@ def __dir__():
 # that is ~10^5 objects and 0.2-0.3 s of a fresh process's exit (perf: gc_collect_main), more
 # than a tenth of a first ε. Frozen objects are skipped; reference counting still frees what
 # module teardown releases (see the module docstring). JAXDP_GC_FREEZE_AT_EXIT=0 opts out.
-if __import__("os").environ.get("JAXDP_GC_FREEZE_AT_EXIT", "1").strip() != "0":
+if os.environ.get("JAXDP_GC_FREEZE_AT_EXIT", "1").strip() != "0":
     atexit.register(gc.freeze)
