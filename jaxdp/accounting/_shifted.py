@@ -141,12 +141,11 @@ def _shifted_energy(pos, n, lip, eta, dia, b, k, lc):
     case we checked against the exhaustive minimum; any R gives a valid bound, so the
     search affects tightness only).
 
-    Each set of evaluations (the search's two per step, the final four) runs as a
-    ``lax.scan`` over its columns, one column of positions per step, so that XLA keeps the
-    energies as an array: read as columns of a (…, c) array computed in place, the energy's
-    code was emitted once per column read (a 0.5 MB kernel for the four; the program
-    compiled in 1.2 CPU-s, 0.7 with the scans). The energy is elementwise, so the values are
-    the same.
+    The columns of each evaluation (the search's two per step, the final four) are read by a
+    ``lax.scan`` over them, not by slices: XLA fused the energy into the slicing selects and
+    emitted its code once per column read (a 0.5 MB kernel for the four; the program compiled
+    in 1.2 CPU-s, 0.7 with the scans). The scans read the columns in order and select as the
+    slices did, and the energies are computed as before: the values are the same bits.
     """
     j, m, b_eff = _batch_geometry(pos, n, b)
     e = m - j
@@ -155,9 +154,9 @@ def _shifted_energy(pos, n, lip, eta, dia, b, k, lc):
     sg = jax.lax.stop_gradient
     r_lo0 = sg(jnp.where(e >= 1, 0.0, 1.0) * jnp.ones_like(pos))
     r_hi0 = sg((k - 1.0) * jnp.ones_like(pos))
-    m_s, e_s, d_s, z_s, lc_s = (sg(x) for x in (m, e, delta_s, z0, lc))
+    m_s, e_s, d_s, z_s, lc_s = (sg(x)[..., None] for x in (m, e, delta_s, z0, lc))
 
-    def f(r):  # energies for starts with r sensitive steps left (one traced copy)
+    def f(r):  # energies for starts with r[..., i] sensitive steps left (one traced copy)
         return _energy(m_s, r, z_s, d_s, m_s, e_s, lc_s)
 
     def cond(state):
@@ -168,32 +167,38 @@ def _shifted_energy(pos, n, lip, eta, dia, b, k, lc):
         lo, hi = state
         third = jnp.floor((hi - lo) / 3.0)
         active = hi - lo > 2.0
-        _, vals = jax.lax.scan(lambda _, r: (None, f(r)), None, jnp.stack([lo + third, hi - third]))
-        left = vals[0] <= vals[1]
+        vals = f(jnp.stack([lo + third, hi - third], axis=-1))
+
+        def cmp(c, x):  # vals[..., 0] <= vals[..., 1], reading the columns in a scan
+            v0, le, i = c
+            return (jnp.where(i == 0, x, v0), jnp.where(i == 0, le, v0 <= x), i + 1), None
+
+        (_, left, _), _ = jax.lax.scan(cmp, (jnp.zeros_like(lo), jnp.zeros(lo.shape, bool), 0),
+                                       jnp.moveaxis(vals, -1, 0))
         return jnp.where(active & ~left, lo + third, lo), jnp.where(active & left, hi - third, hi)
 
     lo, hi = jax.lax.while_loop(cond, body, (r_lo0, r_hi0))
     cands = jnp.stack([lo, jnp.minimum(lo + 1.0, hi), jnp.minimum(lo + 2.0, hi)], axis=-1)
     any_start = r_lo0 <= r_hi0
     cands = sg(jnp.where(any_start[..., None], cands, 1.0))
-    # One scan (one traced copy of the energy): the run's start (distance 0, first use at j,
-    # k uses) and the three later starts left by the search (distance D, first use m steps
-    # later); the least of the three later ones by selects (argmin and gathers break
+    # One evaluation (one traced copy of the energy): the run's start (distance 0, first use
+    # at j, k uses) and the three later starts left by the search (distance D, first use m
+    # steps later); the least of the three later ones by selects (argmin and gathers break
     # vmap/grad with x64 off).
     col = jnp.broadcast_to(jnp.arange(4.0, dtype=cands.dtype), cands.shape[:-1] + (4,))
     first = col == 0.0
     cands4 = jnp.where(first, k[..., None], jnp.minimum(sg(lo)[..., None] + (col - 1.0), sg(hi)[..., None]))
     cands4 = jnp.where(first | any_start[..., None], cands4, 1.0)
-    cols = (jnp.where(first, j[..., None], m[..., None]), cands4, jnp.where(first, 0.0, z0[..., None]))
+    all4 = _energy(jnp.where(first, j[..., None], m[..., None]), cands4, jnp.where(first, 0.0, z0[..., None]),
+                   delta_s[..., None], m[..., None], e[..., None], lc[..., None])
 
-    def one(_, col):
-        l1_i, r_i, z_i = col
-        return None, _energy(l1_i, r_i, z_i, delta_s, m, e, lc)
+    def pick(c, x):  # column 0 is the start's; the least of columns 1-3 by selects, in a scan
+        e0, best, i = c
+        take = (i == 1) | ((i >= 2) & sg(x < best))
+        return (jnp.where(i == 0, x, e0), jnp.where(take, x, best), i + 1), None
 
-    _, all4 = jax.lax.scan(one, None, tuple(jnp.moveaxis(x, -1, 0) for x in cols))
-    e_start, best_v = all4[0], all4[1]
-    for i in (2, 3):
-        best_v = jnp.where(sg(all4[i] < best_v), all4[i], best_v)
+    zero = jnp.zeros(all4.shape[:-1], all4.dtype)
+    (e_start, best_v, _), _ = jax.lax.scan(pick, (zero, zero, 0), jnp.moveaxis(all4, -1, 0))
     e_diam = jnp.where(any_start, best_v, jnp.inf)
     return jnp.minimum(e_start, e_diam) * (1.0 + _REL_SLACK)
 
