@@ -591,18 +591,19 @@ def epsilon_read(c: Composed, target, estimate="upper"):
         x = x + c.l2
     d_at = x + s_next - d_next  # δ at ε = ε_j
     # The first bin from which the curve stays ≤ target (the lower bound's curve need not be
-    # monotone; the true δ is, so δ(ε) ≥ the lower curve at every ε' ≥ ε).
-    ok = jnp.cumsum((d_at > target)[::-1])[::-1] == 0
-    any_ok = jnp.any(ok)
+    # monotone; the true δ is, so δ(ε) ≥ the lower curve at every ε' ≥ ε): the bin after the
+    # last one above it, n if none. (A max over the indices: the reversed cumsum it replaces
+    # became a tree of reduce-window kernels in XLA's CPU compile.)
     idx = jnp.arange(n, dtype=jnp.float64)
-    # (No argmax: its variadic reduction breaks reverse mode outside the float64 scope.)
-    first = jnp.min(jnp.where(ok, idx, float(n)))
-    onehot = (idx == first).astype(r.dtype)
-    # S and T e^{ε_j} over i ≥ j: S_j = s_next_j + r_j, D'_j = d_next_j + r_j.
-    s_star = jnp.sum(onehot * (s_next + r))
-    dd_star = jnp.sum(onehot * (d_next + r))
-    e_star = jnp.sum(onehot * e)
-    x_star = jnp.sum(onehot * x) if jnp.ndim(x) else x
+    first = jnp.max(jnp.where(d_at > target, idx, -1.0)) + 1.0
+    any_ok = first < n
+    # S and T e^{ε_j} over i ≥ j: S_j = s_next_j + r_j, D'_j = d_next_j + r_j; picked at j = first
+    # in one reduction (a sum with one nonzero term, exact; no argmax or gather: its variadic
+    # reduction broke reverse mode outside the float64 scope).
+    cols = [s_next + r, d_next + r, e] + ([x] if jnp.ndim(x) else [])
+    picked = jnp.sum(jnp.where(idx == first, jnp.stack(cols), 0.0), axis=1)
+    s_star, dd_star, e_star = picked[0], picked[1], picked[2]
+    x_star = picked[3] if jnp.ndim(x) else x
     num = x_star + s_star - target
     pos = (num > 0) & (dd_star > 0)
     # X + S - e^{ε - ε_j} D' = target  ⇒  ε = ε_j + log((X + S - target)/D').
