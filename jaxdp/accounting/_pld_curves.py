@@ -231,6 +231,64 @@ def _ctd_complement(g, eps_grid, h):
     return left + right + last
 
 
+# Bins around loss 0 where both hockey sticks are evaluated and compared (|ε_i| ≤ _NEAR·h);
+# below, each bin's masses come from g alone, above from δ alone (docs/pld.md "Cost per bin").
+_NEAR = 4
+
+
+def _upper_masses(kind, params, eps_grid, h, direction, beyond):
+    r"""Connect-the-dots masses from one hockey-stick value per grid point (and the +∞ mass).
+
+    Each bin's masses come from δ (:func:`_ctd`) or from g(ε) = δ(ε) - (1 - e^ε) =
+    e^ε δ_swap(-ε) (:func:`_ctd_complement`), algebraically equal, whichever has the smaller
+    inputs: δ_{i-1} ≤ g_{i+1}. As |dδ/dε| ≤ e^ε, δ_{i-1} - δ_{i+1} ≤ e^{ε_{i+1}} - e^{ε_{i-1}},
+    so that holds wherever ε_{i-1} ≥ 0 (by a margin e^{ε_{i-1}} - 1 ≥ h at ε_i ≥ 2h), and fails
+    wherever ε_{i+1} < 0 (δ_{i-1} - δ_{i+1} ≥ 0 > e^{ε_{i+1}} - 1). So each grid point needs
+    only δ (ε ≥ 0) or only g (ε < 0): one curve evaluation per point, at |ε| in the direction
+    the sign of ε selects (g's curve is the swapped pair's, the other direction's), plus both
+    on the 2·_NEAR + 3 points around loss 0, where the comparison is made as before. The grid
+    points are (o + i)h (integers o + i): ε = 0 is one, wherever the grid lies. Bins at or
+    above ``beyond``'s cut (a grid point ≥ 0: every kind's range top is positive; it is raised
+    to 0 otherwise) take δ's masses.
+    """
+    n = eps_grid.shape[0]
+    near = 2 * _NEAR + 3
+    # The grid index of each bin relative to loss 0 (exact small integers), and 0's position.
+    m0 = jnp.round(eps_grid[0] / h)
+    m = m0 + jnp.arange(n, dtype=eps_grid.dtype)
+    e = eps_grid  # (held at the cut above it)
+    pos = e >= 0.0
+    idx = (-m0 - (_NEAR + 1) + jnp.arange(near, dtype=eps_grid.dtype))
+    inside = (idx >= 0) & (idx < n)
+    idx = jnp.where(inside, idx, n).astype(jnp.int32)
+    idx_c = jnp.minimum(idx, n - 1)
+    e_near = e[idx_c]
+    # One curve evaluation: every point's own half (δ at ε ≥ 0, g's δ_swap(-ε) below), then the
+    # other half at the points around 0, then δ at the last point (the +∞ mass).
+    args = jnp.concatenate([jnp.where(pos, e, -e), jnp.where(pos[idx_c], -e_near, e_near), e[-1:]])
+    if kind.startswith("sampled_"):
+        sign = jnp.asarray(sign_of(direction), eps_grid.dtype)
+        own = jnp.where(pos, sign, -sign)
+        direction = jnp.concatenate([own, -own[idx_c], sign[None]])
+    vals = jnp.clip(curve(kind, params, args, direction, "upper"), 0.0, 1.0)
+    val, other, d_last = vals[:n], vals[n:n + near], vals[n + near]
+    d = jnp.where(pos, val, 0.0).at[idx].set(jnp.where(pos[idx_c], val[idx_c], other), mode="drop")
+    g_raw = jnp.where(pos, 0.0, val).at[idx].set(jnp.where(pos[idx_c], other, val[idx_c]), mode="drop")
+    g = jnp.exp(jnp.minimum(e, 700.0)) * g_raw
+    p_d = _ctd(d, h)
+    p_g = _ctd_complement(g, e, h)
+    d_prev = jnp.concatenate([jnp.ones((1,)), d[:-1]])
+    g_next = jnp.concatenate([g[1:], jnp.full((1,), jnp.inf)])
+    # Each bin from the formula whose three inputs are smaller (round-off is relative to them).
+    # Where δ = 1 - e^ε exactly (no loss there) g is 0 and so are the masses; differences of
+    # δ would leave round-off noise that, clipped at 0, adds up to spurious mass. Round-off can
+    # still leave a tiny negative mass; it is set to 0 (raises δ).
+    p = jnp.where(m > _NEAR, p_d, jnp.where(m < -_NEAR, p_g, jnp.where(d_prev <= g_next, p_d, p_g)))
+    if beyond is not None:
+        p = jnp.where(beyond, p_d, p)
+    return jnp.maximum(p, 0.0), d_last
+
+
 def masses(kind, params, eps_grid, h, direction, estimate, cut_loss=None):
     """Masses on the grid and the mass at +∞ (pessimistic CTD, or optimistic buckets).
 
@@ -242,31 +300,11 @@ def masses(kind, params, eps_grid, h, direction, estimate, cut_loss=None):
     """
     beyond = None
     if cut_loss is not None:
+        cut_loss = jnp.maximum(cut_loss, 0.0) if estimate == "upper" else cut_loss
         beyond = eps_grid >= cut_loss
         eps_grid = jnp.minimum(eps_grid, cut_loss)
     if estimate == "upper":
-        # δ(ε), and g(ε) = e^ε δ_reverse(-ε): the hockey stick of the swapped pair (Q, P), from
-        # one evaluation of the curve on the stacked arguments (one traced copy of its special
-        # functions; elementwise, the same arithmetic as two calls).
-        if kind.startswith("sampled_"):
-            sign = sign_of(direction)
-            direction = jnp.stack([jnp.asarray(sign, eps_grid.dtype), jnp.asarray(-sign, eps_grid.dtype)])[:, None]
-        both = jnp.clip(curve(kind, params, jnp.stack([eps_grid, -eps_grid]), direction, "upper"), 0.0, 1.0)
-        d = both[0]
-        g = jnp.exp(jnp.minimum(eps_grid, 700.0)) * both[1]
-        p_d = _ctd(d, h)
-        p_g = _ctd_complement(g, eps_grid, h)
-        # Each bin from the formula whose three inputs are smaller (round-off is relative to
-        # them): δ decreases and g increases with ε, so compare δ_{i-1} with g_{i+1}. Where
-        # δ = 1 - e^ε exactly (no loss there) g is 0 and so are the masses; differences of
-        # δ would leave round-off noise that, clipped at 0, adds up to spurious mass.
-        # Round-off can still leave a tiny negative mass; it is set to 0 (raises δ).
-        d_prev = jnp.concatenate([jnp.ones((1,)), d[:-1]])
-        g_next = jnp.concatenate([g[1:], jnp.full((1,), jnp.inf)])
-        p = jnp.where(d_prev <= g_next, p_d, p_g)
-        if beyond is not None:
-            p = jnp.where(beyond, p_d, p)
-        return jnp.maximum(p, 0.0), d[-1]
+        return _upper_masses(kind, params, eps_grid, h, direction, beyond)
     if survival_pair(kind, None, None, None, probe=True):
         return _merged_buckets(kind, params, eps_grid, h, direction, beyond)
     s = jnp.clip(curve(kind, params, eps_grid, direction, "lower"), 0.0, 1.0)
