@@ -400,15 +400,14 @@ def survival_pair(kind, params, eps, direction, probe=False):
     return jnp.where(q > 0, sp, zero), jnp.where(q > 0, sq, zero)
 
 
-def safe_pow(c, k):
-    """c**k for complex c and a real count k ≥ 0 (0 where |c| underflows), grad-safe."""
-    ok = jnp.abs(c) > 1e-300
-    c_s = jnp.where(ok, c, 1.0 + 0.0j)
-    # exp(k Log c) = c^k exactly for integer k, whatever branch of the logarithm.
-    out = jnp.exp(k * jnp.log(c_s))
-    return jnp.where(ok, out, jnp.where(k > 0, 0.0, 1.0).astype(out.dtype))
+def safe_log(c):
+    """(Log c, dead) for complex c: the principal logarithm, 0 where |c| underflows (dead), grad-safe.
 
-
+    ``exp(Σ_c k_c Log c_c)`` is Π_c c_c^{k_c} exactly for integer counts, whatever branch of
+    the logarithm; a dead factor with k_c > 0 makes the product 0 (as c**k underflows).
+    """
+    dead = jnp.abs(c) <= 1e-300
+    return jnp.log(jnp.where(dead, 1.0 + 0.0j, c)), dead
 
 
 def lse(logp, x):
@@ -437,7 +436,10 @@ def tilted_fft(parts, counts, lam, a0, n, split=False):
       the 2-norm of the error vector r̃^fl − r̃ and m_bin = 4nu is a per-bin term (docs/pld.md,
       "Round-off").
     """
-    spec = jnp.ones((n // 2 + 1,), dtype=jnp.complex128)
+    # The spectrum Π_c rfft(p̃_c)^{k_c}·e^{iφ} as one complex exponential of Σ_c k_c Log rfft(p̃_c) + iφ
+    # (one exp per frequency, not one per mechanism and one for the phase: docs/pld.md "Round-off").
+    log_spec = jnp.zeros((n // 2 + 1,), dtype=jnp.complex128)
+    dead = jnp.zeros((n // 2 + 1,), dtype=bool)
     offset = jnp.zeros(())
     big_lam = jnp.zeros(())
     norm_term = jnp.zeros(())
@@ -446,17 +448,24 @@ def tilted_fft(parts, counts, lam, a0, n, split=False):
         logp = jnp.where(p > 0, jnp.log(jnp.where(p > 0, p, 1.0)), -jnp.inf)
         a = lse(logp, lam * grid)
         pt = jnp.exp(jnp.where(p > 0, logp + lam * grid - a, -jnp.inf))
-        spec = spec * safe_pow(jnp.fft.rfft(pt), k)
+        log_c, dead_c = safe_log(jnp.fft.rfft(pt))
+        log_spec = log_spec + k * log_c
+        dead = dead | (dead_c & (k > 0))
         offset = offset + k * o
         big_lam = big_lam + kf * a
         norm_term = norm_term + k * jax.lax.stop_gradient(jnp.sqrt(jnp.sum(pt * pt)))
     s = jnp.mod(a0 - offset, n)
     f = jnp.arange(n // 2 + 1, dtype=jnp.float64)
     phase = 2.0 * math.pi * jnp.mod(f * s, n) / n
-    r_t = jnp.fft.irfft(spec * jnp.exp(1j * phase), n)
-    # The rounding margin carries no derivative (it is a bound on round-off).
-    spec_norm = jnp.sqrt(2.0 * jnp.sum(jnp.abs(jax.lax.stop_gradient(spec)) ** 2))
-    norm_wise = 8.0 * _U * (math.log2(n) + 2.0) * (1.0 + norm_term) * (spec_norm + 1.0)
+    spec = jnp.where(dead, 0.0 + 0.0j, jnp.exp(log_spec + 1j * phase))
+    r_t = jnp.fft.irfft(spec, n)
+    # The rounding margin carries no derivative (it is a bound on round-off). Its leading
+    # factor covers the FFTs (log₂n + 2) and the exponential's evaluation ((C + 3)π + 2)/8 for
+    # C mechanisms; the first is the larger for C ≤ 16 at every grid size (docs/pld.md "Round-off").
+    spec_abs2 = jax.lax.stop_gradient(jnp.real(spec) ** 2 + jnp.imag(spec) ** 2)
+    spec_norm = jnp.sqrt(2.0 * jnp.sum(spec_abs2))
+    lead = max(math.log2(n) + 2.0, ((len(parts) + 3) * math.pi + 2.0) / 8.0)
+    norm_wise = 8.0 * _U * lead * (1.0 + norm_term) * (spec_norm + 1.0)
     per_bin = 4.0 * n * _U
     if split:
         return r_t, (norm_wise, per_bin), big_lam
