@@ -231,6 +231,64 @@ def _ctd_complement(g, eps_grid, h):
     return left + right + last
 
 
+# Bins around loss 0 where both hockey sticks are evaluated and compared (|ε_i| ≤ _NEAR·h);
+# below, each bin's masses come from g alone, above from δ alone (docs/pld.md "Cost per bin").
+_NEAR = 4
+
+
+def _upper_masses(kind, params, eps_grid, h, direction, beyond):
+    r"""Connect-the-dots masses from one hockey-stick value per grid point (and the +∞ mass).
+
+    Each bin's masses come from δ (:func:`_ctd`) or from g(ε) = δ(ε) - (1 - e^ε) =
+    e^ε δ_swap(-ε) (:func:`_ctd_complement`), algebraically equal, whichever has the smaller
+    inputs: δ_{i-1} ≤ g_{i+1}. As |dδ/dε| ≤ e^ε, δ_{i-1} - δ_{i+1} ≤ e^{ε_{i+1}} - e^{ε_{i-1}},
+    so that holds wherever ε_{i-1} ≥ 0 (by a margin e^{ε_{i-1}} - 1 ≥ h at ε_i ≥ 2h), and fails
+    wherever ε_{i+1} < 0 (δ_{i-1} - δ_{i+1} ≥ 0 > e^{ε_{i+1}} - 1). So each grid point needs
+    only δ (ε ≥ 0) or only g (ε < 0): one curve evaluation per point, at |ε| in the direction
+    the sign of ε selects (g's curve is the swapped pair's, the other direction's), plus both
+    on the 2·_NEAR + 3 points around loss 0, where the comparison is made as before. The grid
+    points are (o + i)h (integers o + i): ε = 0 is one, wherever the grid lies. Bins at or
+    above ``beyond``'s cut (a grid point ≥ 0: every kind's range top is positive; it is raised
+    to 0 otherwise) take δ's masses.
+    """
+    n = eps_grid.shape[0]
+    near = 2 * _NEAR + 3
+    # The grid index of each bin relative to loss 0 (exact small integers), and 0's position.
+    m0 = jnp.round(eps_grid[0] / h)
+    m = m0 + jnp.arange(n, dtype=eps_grid.dtype)
+    e = eps_grid  # (held at the cut above it)
+    pos = e >= 0.0
+    idx = (-m0 - (_NEAR + 1) + jnp.arange(near, dtype=eps_grid.dtype))
+    inside = (idx >= 0) & (idx < n)
+    idx = jnp.where(inside, idx, n).astype(jnp.int32)
+    idx_c = jnp.minimum(idx, n - 1)
+    e_near = e[idx_c]
+    # One curve evaluation: every point's own half (δ at ε ≥ 0, g's δ_swap(-ε) below), then the
+    # other half at the points around 0, then δ at the last point (the +∞ mass).
+    args = jnp.concatenate([jnp.where(pos, e, -e), jnp.where(pos[idx_c], -e_near, e_near), e[-1:]])
+    if kind.startswith("sampled_"):
+        sign = jnp.asarray(sign_of(direction), eps_grid.dtype)
+        own = jnp.where(pos, sign, -sign)
+        direction = jnp.concatenate([own, -own[idx_c], sign[None]])
+    vals = jnp.clip(curve(kind, params, args, direction, "upper"), 0.0, 1.0)
+    val, other, d_last = vals[:n], vals[n:n + near], vals[n + near]
+    d = jnp.where(pos, val, 0.0).at[idx].set(jnp.where(pos[idx_c], val[idx_c], other), mode="drop")
+    g_raw = jnp.where(pos, 0.0, val).at[idx].set(jnp.where(pos[idx_c], other, val[idx_c]), mode="drop")
+    g = jnp.exp(jnp.minimum(e, 700.0)) * g_raw
+    p_d = _ctd(d, h)
+    p_g = _ctd_complement(g, e, h)
+    d_prev = jnp.concatenate([jnp.ones((1,)), d[:-1]])
+    g_next = jnp.concatenate([g[1:], jnp.full((1,), jnp.inf)])
+    # Each bin from the formula whose three inputs are smaller (round-off is relative to them).
+    # Where δ = 1 - e^ε exactly (no loss there) g is 0 and so are the masses; differences of
+    # δ would leave round-off noise that, clipped at 0, adds up to spurious mass. Round-off can
+    # still leave a tiny negative mass; it is set to 0 (raises δ).
+    p = jnp.where(m > _NEAR, p_d, jnp.where(m < -_NEAR, p_g, jnp.where(d_prev <= g_next, p_d, p_g)))
+    if beyond is not None:
+        p = jnp.where(beyond, p_d, p)
+    return jnp.maximum(p, 0.0), d_last
+
+
 def masses(kind, params, eps_grid, h, direction, estimate, cut_loss=None):
     """Masses on the grid and the mass at +∞ (pessimistic CTD, or optimistic buckets).
 
@@ -242,31 +300,11 @@ def masses(kind, params, eps_grid, h, direction, estimate, cut_loss=None):
     """
     beyond = None
     if cut_loss is not None:
+        cut_loss = jnp.maximum(cut_loss, 0.0) if estimate == "upper" else cut_loss
         beyond = eps_grid >= cut_loss
         eps_grid = jnp.minimum(eps_grid, cut_loss)
     if estimate == "upper":
-        # δ(ε), and g(ε) = e^ε δ_reverse(-ε): the hockey stick of the swapped pair (Q, P), from
-        # one evaluation of the curve on the stacked arguments (one traced copy of its special
-        # functions; elementwise, the same arithmetic as two calls).
-        if kind.startswith("sampled_"):
-            sign = sign_of(direction)
-            direction = jnp.stack([jnp.asarray(sign, eps_grid.dtype), jnp.asarray(-sign, eps_grid.dtype)])[:, None]
-        both = jnp.clip(curve(kind, params, jnp.stack([eps_grid, -eps_grid]), direction, "upper"), 0.0, 1.0)
-        d = both[0]
-        g = jnp.exp(jnp.minimum(eps_grid, 700.0)) * both[1]
-        p_d = _ctd(d, h)
-        p_g = _ctd_complement(g, eps_grid, h)
-        # Each bin from the formula whose three inputs are smaller (round-off is relative to
-        # them): δ decreases and g increases with ε, so compare δ_{i-1} with g_{i+1}. Where
-        # δ = 1 - e^ε exactly (no loss there) g is 0 and so are the masses; differences of
-        # δ would leave round-off noise that, clipped at 0, adds up to spurious mass.
-        # Round-off can still leave a tiny negative mass; it is set to 0 (raises δ).
-        d_prev = jnp.concatenate([jnp.ones((1,)), d[:-1]])
-        g_next = jnp.concatenate([g[1:], jnp.full((1,), jnp.inf)])
-        p = jnp.where(d_prev <= g_next, p_d, p_g)
-        if beyond is not None:
-            p = jnp.where(beyond, p_d, p)
-        return jnp.maximum(p, 0.0), d[-1]
+        return _upper_masses(kind, params, eps_grid, h, direction, beyond)
     if survival_pair(kind, None, None, None, probe=True):
         return _merged_buckets(kind, params, eps_grid, h, direction, beyond)
     s = jnp.clip(curve(kind, params, eps_grid, direction, "lower"), 0.0, 1.0)
@@ -362,15 +400,14 @@ def survival_pair(kind, params, eps, direction, probe=False):
     return jnp.where(q > 0, sp, zero), jnp.where(q > 0, sq, zero)
 
 
-def safe_pow(c, k):
-    """c**k for complex c and a real count k ≥ 0 (0 where |c| underflows), grad-safe."""
-    ok = jnp.abs(c) > 1e-300
-    c_s = jnp.where(ok, c, 1.0 + 0.0j)
-    # exp(k Log c) = c^k exactly for integer k, whatever branch of the logarithm.
-    out = jnp.exp(k * jnp.log(c_s))
-    return jnp.where(ok, out, jnp.where(k > 0, 0.0, 1.0).astype(out.dtype))
+def safe_log(c):
+    """(Log c, dead) for complex c: the principal logarithm, 0 where |c| underflows (dead), grad-safe.
 
-
+    ``exp(Σ_c k_c Log c_c)`` is Π_c c_c^{k_c} exactly for integer counts, whatever branch of
+    the logarithm; a dead factor with k_c > 0 makes the product 0 (as c**k underflows).
+    """
+    dead = jnp.abs(c) <= 1e-300
+    return jnp.log(jnp.where(dead, 1.0 + 0.0j, c)), dead
 
 
 def lse(logp, x):
@@ -399,7 +436,10 @@ def tilted_fft(parts, counts, lam, a0, n, split=False):
       the 2-norm of the error vector r̃^fl − r̃ and m_bin = 4nu is a per-bin term (docs/pld.md,
       "Round-off").
     """
-    spec = jnp.ones((n // 2 + 1,), dtype=jnp.complex128)
+    # The spectrum Π_c rfft(p̃_c)^{k_c}·e^{iφ} as one complex exponential of Σ_c k_c Log rfft(p̃_c) + iφ
+    # (one exp per frequency, not one per mechanism and one for the phase: docs/pld.md "Round-off").
+    log_spec = jnp.zeros((n // 2 + 1,), dtype=jnp.complex128)
+    dead = jnp.zeros((n // 2 + 1,), dtype=bool)
     offset = jnp.zeros(())
     big_lam = jnp.zeros(())
     norm_term = jnp.zeros(())
@@ -408,17 +448,24 @@ def tilted_fft(parts, counts, lam, a0, n, split=False):
         logp = jnp.where(p > 0, jnp.log(jnp.where(p > 0, p, 1.0)), -jnp.inf)
         a = lse(logp, lam * grid)
         pt = jnp.exp(jnp.where(p > 0, logp + lam * grid - a, -jnp.inf))
-        spec = spec * safe_pow(jnp.fft.rfft(pt), k)
+        log_c, dead_c = safe_log(jnp.fft.rfft(pt))
+        log_spec = log_spec + k * log_c
+        dead = dead | (dead_c & (k > 0))
         offset = offset + k * o
         big_lam = big_lam + kf * a
         norm_term = norm_term + k * jax.lax.stop_gradient(jnp.sqrt(jnp.sum(pt * pt)))
     s = jnp.mod(a0 - offset, n)
     f = jnp.arange(n // 2 + 1, dtype=jnp.float64)
     phase = 2.0 * math.pi * jnp.mod(f * s, n) / n
-    r_t = jnp.fft.irfft(spec * jnp.exp(1j * phase), n)
-    # The rounding margin carries no derivative (it is a bound on round-off).
-    spec_norm = jnp.sqrt(2.0 * jnp.sum(jnp.abs(jax.lax.stop_gradient(spec)) ** 2))
-    norm_wise = 8.0 * _U * (math.log2(n) + 2.0) * (1.0 + norm_term) * (spec_norm + 1.0)
+    spec = jnp.where(dead, 0.0 + 0.0j, jnp.exp(log_spec + 1j * phase))
+    r_t = jnp.fft.irfft(spec, n)
+    # The rounding margin carries no derivative (it is a bound on round-off). Its leading
+    # factor covers the FFTs (log₂n + 2) and the exponential's evaluation ((C + 3)π + 2)/8 for
+    # C mechanisms; the first is the larger for C ≤ 16 at every grid size (docs/pld.md "Round-off").
+    spec_abs2 = jax.lax.stop_gradient(jnp.real(spec) ** 2 + jnp.imag(spec) ** 2)
+    spec_norm = jnp.sqrt(2.0 * jnp.sum(spec_abs2))
+    lead = max(math.log2(n) + 2.0, ((len(parts) + 3) * math.pi + 2.0) / 8.0)
+    norm_wise = 8.0 * _U * lead * (1.0 + norm_term) * (spec_norm + 1.0)
     per_bin = 4.0 * n * _U
     if split:
         return r_t, (norm_wise, per_bin), big_lam
