@@ -30,15 +30,7 @@ os.environ.setdefault("JAXDP_CACHE_DIR", "off")
 # Compile with XLA's backend optimisation off: the suite's time is mostly compilation of
 # small programs (measured: tests/accounting/test_events.py 88 s -> 69 s), and the tests
 # check values with tolerances that hold for either level. Set XLA_FLAGS to override.
-# Session 18: and with XLA's classic CPU fusion emitters, the ones jaxdp's own eager programs
-# use (jaxdp._program_cache._CPU_OPTIONS), for every program of the suite (the tests' jit, vmap
-# and grad forms, the training steps, the examples' subprocesses): 40 % fewer CPU-seconds on a
-# compile-bound sample (6 transformation-matrix cells + tests/training/test_dpsgd.py, 29.4 ->
-# 17.7 CPU-s, alternated, load 23) and the same bits where measured (the Poisson run's hash of
-# tests/training/test_samplers.py). XLA's default MLIR emitters stay covered in CI:
-# tests/test_program_cache.py compiles an accountant with them explicitly and compares bits.
-SUITE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-os.environ.setdefault("XLA_FLAGS", SUITE_XLA_FLAGS)
+os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 
 # Tests run only with JAXDP_SLOW=1 because a faster test covers what they check (the
 # reason follows each). Listed here, by node id prefix, to keep CI's run under 10 minutes.

@@ -249,9 +249,7 @@ def test_compiler_options_change_no_bits_and_apply_with_the_cache_off(monkeypatc
     before = _program_cache.stats["compiled"]
     with_options = f()
     assert _program_cache.stats["compiled"] == before + 1  # compiled by the cache's path, kept in memory
-    # XLA's default emitters, named: the suite's XLA_FLAGS select the classic ones for every
-    # program (tests/conftest.py), so an empty option set would compare classic with classic.
-    monkeypatch.setattr(_program_cache, "_CPU_OPTIONS", {"xla_cpu_use_fusion_emitters": True})
+    monkeypatch.setattr(_program_cache, "_CPU_OPTIONS", {})
     _fresh_memo()
     defaults = f()
     _fresh_memo()
