@@ -73,6 +73,11 @@ SLOW_IN_CI = {
     "tests/test_examples.py::test_example_smoke[15_per_instance_digits.py]",
     "tests/test_examples.py::test_example_smoke[16_custom_model.py]",
     "tests/test_examples.py::test_example_smoke[17_dpsbcd.py]",
+    # Session 18: the ViT example (23 s, the suite's most expensive test in an idle profile): its
+    # layers' per-example norms and fast path are test_transformer_norms' (attention, LoRA, norms,
+    # embeddings, test_transformer_encoder_takes_the_fast_path_for_every_layer), its trainable=
+    # fine-tuning test_dpsgd_accumulation's (trainable=nnx.LoRAParam through the trainer).
+    "tests/test_examples.py::test_example_smoke[18_vit_digits.py]",
     # The issue-12 vector: the batch of 65 (past the chunk size) stays; alone it is the same check.
     "tests/accounting/test_dpsgd.py::test_calibration_issue12_vector_never_above_target[1]",
     "tests/accounting/test_dpsgd.py::test_calibration_issue12_vector_never_above_target[3]",
