@@ -36,6 +36,17 @@ cache off too (``JAXDP_CACHE_DIR=off``, JAX's cache configured, a folder that is
 the program is then kept in memory only (64 signatures per function;
 :func:`clear_memory` drops them).
 
+Quick programs. A function may mark some of its calls quick (``persistent(..., quick=...)``, a
+test on static arguments and shapes: the PLD accountant's calls of at most 2^18 configurations ×
+grid bins, e.g. one ε at the default grid). Those are compiled on CPU at XLA's backend
+optimisation level 0 as well: most of such a program's compile time is LLVM's optimisation
+passes, which a program run once or a few times does not repay (the PLD's first answer: 2.3 →
+1.5 s in a fresh process; each later call ~10 ms slower). Level 0 keeps IEEE arithmetic but
+not the optimised program's instruction order, so such a value may differ from the same
+call's under ``jax.jit`` (or a larger batch's) in its last bits (≤ 1e-9 relative on the PLD's
+event families, both ways); every certified bound holds for either, since its round-off
+analysis bounds any order of the operations. The test suite compiles every program at level 0.
+
 A warm process skips tracing too. Tracing and lowering cost about 0.2 s of a warm first
 call (as much as importing ``jaxdp.accounting``), so each program written also gets an
 index entry under a second key computed before tracing: the argument signature above
@@ -182,16 +193,23 @@ _CPU_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 _options_ok = [True]
 
 
-def _options(jax) -> dict | None:
+# A program that its function marks quick (``persistent(..., quick=...)``: one small
+# evaluation, compiled to run once or a few times) is compiled at XLA's backend optimisation
+# level 0 on CPU as well: LLVM's optimisation passes are most of its compile time.
+_QUICK_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
+def _options(jax, quick: bool = False) -> dict | None:
     """The compiler options of the accountants' programs on this backend (None: XLA's defaults)."""
-    if not _options_ok[0] or not _CPU_OPTIONS:
+    if not _options_ok[0] or jax.devices()[0].platform != "cpu":
         return None
-    return dict(_CPU_OPTIONS) if jax.devices()[0].platform == "cpu" else None
+    opts = {**_CPU_OPTIONS, **_QUICK_OPTIONS} if quick else dict(_CPU_OPTIONS)
+    return opts or None
 
 
-def _compile(jax, lowered):
+def _compile(jax, lowered, quick: bool = False):
     """``lowered.compile()`` with :data:`_CPU_OPTIONS` on CPU; without them where XLA refuses them."""
-    opts = _options(jax)
+    opts = _options(jax, quick)
     if opts is None:
         return lowered.compile()
     try:
@@ -219,14 +237,14 @@ def _jax_cache_on() -> bool:
         return True
 
 
-def _environment(jax) -> bytes:
+def _environment(jax, quick: bool = False) -> bytes:
     import jaxlib
 
     dev = jax.devices()[0]
     config = sorted((k, repr(v)) for k, v in jax.config.values.items())
     parts = (jax.__version__, jaxlib.__version__, dev.client.platform, dev.client.platform_version, dev.device_kind,
              os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""), repr(config),
-             repr(sorted((_options(jax) or {}).items())))
+             repr(sorted((_options(jax, quick) or {}).items())))
     return "\0".join(parts).encode() + b"\0" + _machine()
 
 
@@ -319,9 +337,11 @@ def clear_memory() -> None:
 class _Persistent:
     """A ``jax.jit`` function whose eager calls use the persistent cache (see the module)."""
 
-    def __init__(self, jitted: Callable, name: str, static_argnums: tuple[int, ...], static_argnames: tuple[str, ...]):
+    def __init__(self, jitted: Callable, name: str, static_argnums: tuple[int, ...], static_argnames: tuple[str, ...],
+                 quick: Callable[..., bool] | None = None):
         self._jitted = jitted
         self._name = name
+        self._quick = quick
         self._static_argnums = frozenset(static_argnums)
         self._static_argnames = frozenset(static_argnames)
         self._memo: OrderedDict = OrderedDict()
@@ -455,7 +475,7 @@ class _Persistent:
             # loaded or compiled, and written, in a thread of its own.
             lowered = self._jitted.trace(*args, **kwargs).lower()
             job = _Job(lowered.out_info)
-            job.start(self, jax, path, lowered, entry)
+            job.start(self, jax, path, lowered, entry, self._is_quick(args, kwargs))
         return job
 
     def _entry(self, path: str | None, index: str | None) -> str | None:
@@ -476,9 +496,18 @@ class _Persistent:
             lowered = self._jitted.lower(*args, **kwargs)
         except Exception:
             return None, ()
-        return self._from_lowered(jax, path, lowered, entry)
+        return self._from_lowered(jax, path, lowered, entry, self._is_quick(args, kwargs))
 
-    def _from_lowered(self, jax, path: str | None, lowered, entry: str | None):
+    def _is_quick(self, args, kwargs) -> bool:
+        """Whether this call's program is compiled as a quick one (see :func:`persistent`)."""
+        if self._quick is None:
+            return False
+        try:
+            return bool(self._quick(*args, **kwargs))
+        except Exception:
+            return False
+
+    def _from_lowered(self, jax, path: str | None, lowered, entry: str | None, quick: bool = False):
         """The second half of :meth:`_load_or_compile`: the lowered program loaded from disk, or
         compiled (and written); also run by :func:`prepare`'s background threads."""
         try:
@@ -486,8 +515,8 @@ class _Persistent:
                 return None, ()
             if path is None:
                 _count("compiled")
-                return _compile(jax, lowered), ()
-            key = hashlib.sha256(_environment(jax) + b"\0" + _program(lowered)).hexdigest()
+                return _compile(jax, lowered, quick), ()
+            key = hashlib.sha256(_environment(jax, quick) + b"\0" + _program(lowered)).hexdigest()
             trees = (jax.tree_util.tree_structure(lowered.args_info), lowered.out_tree)
         except Exception:
             return None, ()
@@ -497,7 +526,7 @@ class _Persistent:
             _count("loaded")
             loaded = (file,) if entry is None else (file, entry)
         else:
-            compiled = _compile(jax, lowered)
+            compiled = _compile(jax, lowered, quick)
             _count("compiled")
             loaded = ()
             if not _write(file, compiled, path):
@@ -531,7 +560,7 @@ class _Job:
         self.done = None
         self._thread = None
 
-    def start(self, fn: _Persistent, jax, path, lowered, entry) -> None:
+    def start(self, fn: _Persistent, jax, path, lowered, entry, quick: bool = False) -> None:
         x64 = bool(jax.config.jax_enable_x64)
         environment = _environment(jax)
 
@@ -544,7 +573,7 @@ class _Job:
                     if _environment(jax) != environment:
                         self.done = (None, ())
                         return
-                    self.done = fn._from_lowered(jax, path, lowered, entry)
+                    self.done = fn._from_lowered(jax, path, lowered, entry, quick)
             except Exception:
                 self.done = (None, ())
 
@@ -729,7 +758,8 @@ def _evict(path: str) -> None:
         pass
 
 
-def persistent(name: str, *, static_argnums: tuple[int, ...] = (), static_argnames: tuple[str, ...] = ()):
+def persistent(name: str, *, static_argnums: tuple[int, ...] = (), static_argnames: tuple[str, ...] = (),
+               quick: Callable[..., bool] | None = None):
     """Decorator: a module-level ``jax.jit`` function whose eager calls use the program cache.
 
     Put it above the ``jax.jit`` decorator and repeat the jit's static arguments::
@@ -739,9 +769,14 @@ def persistent(name: str, *, static_argnums: tuple[int, ...] = (), static_argnam
         def _dpsgd_epsilon_jit(orders_key, method, q, sigma, steps, delta): ...
 
     ``name`` prefixes the cache files (readability only; the key is the program).
+    ``quick``, if given, is called with a call's arguments (static ones as passed, the others
+    concrete arrays or ``jax.ShapeDtypeStruct``s): where it returns True the program is one
+    small evaluation and is compiled on CPU at XLA's backend optimisation level 0 (see the
+    module: a shorter compile, a slower run, values that may differ from the fully optimised
+    program's in their last bits). It must depend on static arguments and shapes only.
     """
 
     def wrap(jitted: Callable) -> Any:
-        return _Persistent(jitted, name, tuple(static_argnums), tuple(static_argnames))
+        return _Persistent(jitted, name, tuple(static_argnums), tuple(static_argnames), quick)
 
     return wrap

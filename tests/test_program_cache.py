@@ -345,3 +345,37 @@ def test_a_prepared_compile_needs_the_callers_whole_configuration(monkeypatch):
         got = _chain(x, 2.0, k=2)
     assert _program_cache.stats["compiled"] == before + 2
     np.testing.assert_array_equal(_bits(got), _bits(jax.jit(lambda x: _chain(x, 2.0, 2))(x)))
+
+
+# Quick programs: a call its function marks quick is compiled at XLA's optimisation level 0 too.
+@_program_cache.persistent("test_quick", quick=lambda x: np.size(x) <= 4)
+@jax.jit
+def _quick_fn(x):
+    return jax.numpy.exp(x) * 2.0
+
+
+def test_quick_calls_compile_at_level_0_under_their_own_key(monkeypatch):
+    monkeypatch.setenv("JAXDP_CACHE_DIR", "off")
+    seen = []
+    real = _program_cache._compile
+    monkeypatch.setattr(_program_cache, "_compile", lambda jax_, lowered, quick=False: seen.append(quick) or real(jax_, lowered, quick))
+    _program_cache.clear_memory()
+    small, large = _quick_fn(np.arange(3.0)), _quick_fn(np.arange(9.0))
+    assert seen == [True, False]
+    np.testing.assert_allclose(np.asarray(small), 2 * np.exp(np.arange(3.0)), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(large), 2 * np.exp(np.arange(9.0)), rtol=1e-6)
+    if jax.devices()[0].platform == "cpu":
+        assert _program_cache._options(jax, True)["xla_backend_optimization_level"] == 0
+        assert "xla_backend_optimization_level" not in _program_cache._options(jax, False)
+        assert _program_cache._environment(jax, True) != _program_cache._environment(jax, False)  # disk keys differ
+
+
+def test_pld_quick_is_one_small_evaluation():
+    from jaxdp.accounting._pld import _quick
+
+    one = np.float64(0.5)
+    assert _quick((), (), 2**14, 1e-15, "upper", "epsilon", one, one)
+    assert _quick((), (), 2**14, 1e-15, "upper", "epsilon", np.ones(16), one)
+    assert not _quick((), (), 2**14, 1e-15, "upper", "epsilon", np.ones(17), one)
+    assert not _quick((), (), 2**19, 1e-15, "upper", "epsilon", one)
+    assert _quick((), (), 2**14, 1e-15, "upper", "epsilon", jax.ShapeDtypeStruct((4,), np.float64), np.ones((2, 1)))
