@@ -53,6 +53,9 @@ _SMOOTH = ("gaussian", "sampled_gaussian")
 # (Smooth kinds) the error-minimising plan is used where the estimated round-off bound per bin
 # is below δe^{_ROUND_LOG}; elsewhere (for ε(δ)) the s12 plan (see _plan).
 _ROUND_LOG = 3.0
+# (ε(δ), upper bound, Poisson-sampled Gaussian) the fine grids end at the sharp tops (see
+# _single_range) where the estimated round-off bound per bin is below δe^{-_SHARP_LOG}.
+_SHARP_LOG = 4.0
 
 
 class Composed(NamedTuple):
@@ -65,14 +68,18 @@ class Composed(NamedTuple):
     l2: object = None
 
 
-def _single_range(kind, params, direction, z):
+def _single_range(kind, params, direction, z, sharp=False):
     """Loss range [b, t] of one mechanism outside which each tail has mass ≤ Φ̄(z) (a placement).
 
     Gaussian (μ = 1/σ): L ~ N(μ²/2, μ²). Laplace: L ∈ [-1/b, 1/b]; (ε, δ) pair: ±ε (and
     +∞). Poisson sampling of an inner loss range [lo, hi]: remove, L = log(1 - q + q e^g)
     with g in the inner range (or below: log(1 - q) bounds it); add, L = -log(1 - q + q e^g).
     Mass below b is moved up to the grid (the chord), mass above t goes to +∞ (exactly,
-    δ(top)): the range only places the grid, it certifies nothing.
+    δ(top)): the range only places the grid, it certifies nothing. ``sharp`` (Poisson-sampled
+    Gaussian, remove direction): under P = (1 - q)N(0, 1) + qN(μ, 1) the mass above x is
+    qΦ̄(x - μ) + (1 - q)Φ̄(x), so the top x_t = max(z_q + μ, z), z_q² = z² + 2 log q, leaves
+    about 2Φ̄(z) above it where x = z + μ leaves Φ̄(z): a lower top for small q (issue 27's
+    q = 0.001, σ = 0.8: 3.21 → 2.06).
     """
     if kind == "laplace":
         inv = 1.0 / params[0]
@@ -91,7 +98,12 @@ def _single_range(kind, params, direction, z):
         mu = 1.0 / params[-1]
         b = by_direction(sign, jnp.maximum(lq, logq - 0.5 * mu * mu - z * mu),
                   -jnp.logaddexp(lq, logq + mu * z - 0.5 * mu * mu))
-        t = by_direction(sign, jnp.logaddexp(lq, logq + mu * z + 0.5 * mu * mu),
+        top_rm = logq + mu * z + 0.5 * mu * mu
+        if sharp:
+            # Remove direction: the mass above x is qΦ̄(x - μ) + (1 - q)Φ̄(x), so x_t =
+            # max(z_q + μ, z) with z_q² = z² + 2 log q leaves about Φ̄(z) above it, as x = z + μ does.
+            top_rm = logq + (mu * jnp.maximum(jnp.sqrt(jnp.maximum(z * z + 2.0 * logq, 0.0)) + mu, z) - 0.5 * mu * mu)
+        t = by_direction(sign, jnp.logaddexp(lq, top_rm),
                   jnp.minimum(-lq, -logq + 0.5 * mu * mu + z * mu))
         return b, t
     if kind == "sampled_laplace":
@@ -124,7 +136,7 @@ def _between_rungs(thetas, *mgfs):
     return tuple(jnp.concatenate([o, x[-1:]]) for o, x in zip(out, (thetas,) + mgfs))
 
 
-def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=True):
+def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=True, sharp=False):
     """The grid spacing, and per direction the tilt λ and the window's top (all estimates).
 
     A coarse pass (``_COARSE`` bins per mechanism) gives the discrete log moment generating
@@ -134,7 +146,12 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
     variance); the window covers [answer - 2 s, Chernoff point at δ·η], extended downwards
     and tilted so as to minimise the estimated error in δ (folds, round-off and
     discretisation; see the comment at the choice). For δ(ε) the window starts just below ε. The spacing is the larger of that span and every
-    mechanism's own range over n - 2 bins. Nothing here needs to be exact: the result is
+    mechanism's own range over n - 2 bins. With ``sharp`` (one-stage upper ε(δ) of events with
+    Poisson-sampled Gaussians) each direction whose estimated round-off per bin is below
+    δe^{-_SHARP_LOG} ends its sampled steps' fine grids at the sharp top of
+    :func:`_single_range`: their span sets the spacing, and the window's top and the fold-down
+    estimate take Λ of the coarse steps cut there (the law the fine grids compose; the
+    coarse pass, its tilt and the window's bottom keep the wide ranges). Nothing here needs to be exact: the result is
     certified for any plan (see :func:`compose`); the plan only makes it tight.
     """
     ks = [jnp.where(jnp.isfinite(k) & (k >= 0), k, 0.0) for k in counts]
@@ -154,6 +171,14 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
     ranges = {d: [_single_range(kd, p, d, z) for kd, p in zip(kinds, params)] for d in direction_list}
     span_s = jnp.max(jnp.stack([t - b for d in direction_list for b, t in ranges[d]]))
     span_s = jnp.where(jnp.isfinite(span_s) & (span_s > 0), span_s, 1.0)
+    # The fine grids' ranges (``sharp``: the sampled Gaussian's tighter top, see _single_range);
+    # the coarse pass keeps the wider ones.
+    span_f = span_s
+    tops_f = {d: [t for _, t in ranges[d]] for d in direction_list}
+    if sharp:
+        tops_f = {d: [_single_range(kd, p, d, z, True)[1] for kd, p in zip(kinds, params)] for d in direction_list}
+        span_f = jnp.max(jnp.stack([t - b for d in direction_list for (b, _), t in zip(ranges[d], tops_f[d])]))
+        span_f = jnp.where(jnp.isfinite(span_f) & (span_f > 0), jnp.minimum(span_f, span_s), span_s)
     n1 = _COARSE
     h1 = span_s / (n1 - 2)
     j1 = jnp.arange(n1, dtype=jnp.float64)
@@ -163,9 +188,10 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
     smooth = objective and all(kd in _SMOOTH for kd in kinds)
     log_m_worst = math.log(8.0 * _U * (math.log2(n) + 2.0) * (math.sqrt(2.0 * n) + 1.0) + 4.0 * n * _U) + jnp.log1p(k_tot)
 
-    def per_direction(d, rng, log_dt):
+    def per_direction(d, rng, log_dt, tops_d):
         """The plan of one direction (``d`` a string or a traced sign, ``rng`` its mechanisms' ranges)."""
         lam_mgf = jnp.zeros(thetas.shape)
+        top_mgf = jnp.zeros(thetas.shape)
         neg_mgf = jnp.zeros(thetas.shape)
         parts, one_mgf = [], []
         for kd, p_, k, (b, _) in zip(kinds, params, ks, rng):
@@ -182,6 +208,13 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
             pos_c = lse(logp[None, :], thetas[:, None] * grid[None, :])
             neg_c = lse(logp[None, :], -thetas[:, None] * grid[None, :])
             lam_mgf = lam_mgf + k * pos_c
+            if sharp and kd == "sampled_gaussian":
+                # The fine grid's step ends at its sharp top (the mass above goes to +∞).
+                cut_f = _cut(o1, tops_d[len(parts)], h1, n1)
+                top_mgf = top_mgf + k * lse(jnp.where(grid <= cut_f, logp, -jnp.inf)[None, :],
+                                            thetas[:, None] * grid[None, :])
+            elif sharp:
+                top_mgf = top_mgf + k * pos_c
             neg_mgf = neg_mgf + k * neg_c
             parts.append((logp, grid, k))
             one_mgf.append((pos_c, neg_c))
@@ -214,6 +247,7 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
         top_obj = (lam_mgf - (log_dt + math.log(_ETA))) / thetas
         top = jnp.min(top_obj)
         th_top = jnp.max(jnp.where(top_obj <= top, thetas, 0.0))
+        top_old, th_top_old = top, th_top
         if what == "epsilon":
             centre = best - jnp.log(jnp.maximum(lam * s * math.sqrt(2.0 * math.pi), 1.0)) / lam
             bottom = centre - _Z_BOTTOM * s
@@ -221,6 +255,29 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
             bottom = query - 2.0 * h1
             centre = bottom
         lam0 = lam
+
+        def log_m_of(h_c):
+            # The round-off bound m of tilted_fft, estimated: 8u(log₂n + 2)(1 + Σ_c k_c‖p̃_c‖₂)
+            # (‖Ĉ‖₂ + 1) + 4nu, the steps' norms from the coarse pass (at least the fine grid's),
+            # ‖Ĉ‖₂² ≈ 2n‖C‖₂², ‖C‖₂² ≤ min_c ‖p̃_c‖₂² (Young) and about h/(2√π s) for a smooth
+            # composed law of spread s (Gaussian and Poisson-sampled Gaussian compositions).
+            c2 = jnp.minimum(young, jnp.maximum(h_c / (2.0 * math.sqrt(math.pi) * jnp.maximum(s, _TINY)),
+                                                young / k_tot))
+            return jnp.log(8.0 * _U * (math.log2(n) + 2.0) * (1.0 + norm_sum) * (jnp.sqrt(2.0 * n * c2) + 1.0)
+                           + 4.0 * n * _U)
+
+        # The sharp tops (see the docstring) where round-off is estimated far below δ: there the
+        # spacing sets the error. (Where round-off sets the answer, e.g. q = 1e-5, σ = 0.8, 100 steps,
+        # δ = 1e-10, the narrower window they allow moved ε up to +12 %: the round-off estimate
+        # assumes a smooth composed law.)
+        sharp_d, span_p = False, span_s
+        if sharp and smooth:
+            sharp_d = log_m_of(jnp.maximum(span_s, top_old - bottom) / (n - 2)) <= log_dt - _SHARP_LOG
+            top_obj = (top_mgf - (log_dt + math.log(_ETA))) / thetas
+            top_s = jnp.min(top_obj)
+            top = jnp.where(sharp_d, top_s, top_old)
+            th_top = jnp.where(sharp_d, jnp.max(jnp.where(top_obj <= top_s, thetas, 0.0)), th_top_old)
+            span_p = jnp.where(sharp_d, span_f, span_s)
         if smooth:
             # The window [top - W, top] and the tilt λ: of a ladder of extensions W below
             # ``bottom`` and the ladder of θ, the pair that minimises the estimated sum of the
@@ -230,30 +287,32 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
             # round-off bound m, untilted over the bins above ε̂ (≈ m e^{Λ(λ) - λε̂}/(λ(λ+1)h));
             # and the discretisation, connect-the-dots' extra loss variance Σ_c k_c h²/6 raising δ
             # by about δ λ*²/2 times it (λ* the answer's tilt). Each term only costs tightness:
-            # folds and round-off are added to δ in compose, whatever the plan.
+            # folds and round-off are added to δ in compose, whatever the plan. (With the sharp
+            # tops, P(L > ε̂ + W) by Λ of the steps cut there: the mass above goes to +∞, it is
+            # never folded. Λ of the uncut steps, dominated by their far tails at steep θ,
+            # overstated that fold by orders of magnitude and widened the window: issue 27's
+            # q = 0.001, σ = 0.8, 1000 steps +2.4e-4 → +1.7e-4 against dp_accounting.)
             base = jnp.maximum(top - bottom, h1)
             # θ between the ladder's rungs too (Λ convex: its chords bound it above).
-            tf, mgf_f, neg_f = _between_rungs(thetas, lam_mgf, neg_mgf)
+            if sharp:
+                tf, mgf_f, neg_f, fine_f = _between_rungs(thetas, lam_mgf, neg_mgf, top_mgf)
+                fine_f = jnp.where(sharp_d, fine_f, mgf_f)
+            else:
+                tf, mgf_f, neg_f = _between_rungs(thetas, lam_mgf, neg_mgf)
+                fine_f = mgf_f
             b_c = bottom - base * f64(_EXTEND)
             w_c = top - b_c
             log_below = jnp.minimum(jnp.min(neg_f[None, :] + tf[None, :] * b_c[:, None], axis=1), 0.0)
             log_fu = log_below[:, None] - tf[None, :] * w_c[:, None]
             # min over θ' > θ of Λ(θ') - θ' ε̂ - (θ' - θ)W: a suffix minimum over the (increasing)
             # ladder of Λ(θ') - θ'(ε̂ + W), shifted by one, plus θW.
-            b_ex = (mgf_f - tf * centre)[None, :] - tf[None, :] * w_c[:, None]  # [W, θ]
+            b_ex = (fine_f - tf * centre)[None, :] - tf[None, :] * w_c[:, None]  # [W, θ]
             suffix = jax.lax.cummin(b_ex, axis=1, reverse=True)
             after = jnp.concatenate([suffix[:, 1:], jnp.full((suffix.shape[0], 1), jnp.inf)], axis=1)
             log_fd = jnp.minimum(after + tf[None, :] * w_c[:, None], 0.0)
-            h_c = jnp.maximum(span_s, w_c) / (n - 2)
+            h_c = jnp.maximum(span_p, w_c) / (n - 2)
             bins = jnp.log(jnp.minimum(float(n), 1.0 + 1.0 / (tf[None, :] * h_c[:, None])))
-            # The round-off bound m of tilted_fft, estimated: 8u(log₂n + 2)(1 + Σ_c k_c‖p̃_c‖₂)
-            # (‖Ĉ‖₂ + 1) + 4nu, the steps' norms from the coarse pass (at least the fine grid's),
-            # ‖Ĉ‖₂² ≈ 2n‖C‖₂², ‖C‖₂² ≤ min_c ‖p̃_c‖₂² (Young) and about h/(2√π s) for a smooth
-            # composed law of spread s (Gaussian and Poisson-sampled Gaussian compositions).
-            c2 = jnp.minimum(young, jnp.maximum(h_c / (2.0 * math.sqrt(math.pi) * jnp.maximum(s, _TINY)),
-                                                young / k_tot))
-            log_m = jnp.log(8.0 * _U * (math.log2(n) + 2.0) * (1.0 + norm_sum) * (jnp.sqrt(2.0 * n * c2) + 1.0)
-                            + 4.0 * n * _U)
+            log_m = log_m_of(h_c)
             log_rd = log_m[:, None] + (mgf_f - tf * centre - jnp.log1p(tf))[None, :] + bins
             k_disc = sum(ks)
             log_disc = log_dt + jnp.log(lam0 * lam0 * k_disc / 12.0 + _TINY) + 2.0 * jnp.log(h_c)
@@ -280,6 +339,9 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
         # e^{λW} P(L > ε_b + W) ≤ δe^{-9} (a steep tilt on a narrow window folds mass from far
         # above onto the answer); mass folded up from below, e^{-λW} P(L < top - W) ≤ δe^{-9};
         # and the round-off bound m, untilted over the bins above the Chernoff point, ≤ δe^{-7}.
+        # (It keeps the wide top: the sharp one is for the error-minimising plan only.)
+        top_new, th_top_new = top, th_top
+        top, th_top = top_old, th_top_old
         base = jnp.maximum(top - bottom, h1)
         b_c = bottom - base * f64(_EXTEND_ATOMS)
         w_c = top - b_c
@@ -321,13 +383,19 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
             use_new = (jnp.min(log_m) <= log_dt + _ROUND_LOG) | (what != "epsilon")
             lam = jnp.where(use_new, lam_new, lam_old)
             span_d = jnp.where(use_new, span_new, span_old)
+            if sharp:
+                top = jnp.where(use_new, top_new, top_old)
+                th_top = jnp.where(use_new, th_top_new, th_top_old)
+                sharp_d = sharp_d & use_new
         else:
             lam, span_d = lam_old, span_old
         # Per mechanism, for the two-stage composition's block windows (_pld_stages.py):
         # its own discrete log-MGF on the ladder (±θ) and its mean and variance tilted by λ.
         stats_d = [(pos_c, neg_c, m_t, v_t, logp, grid)
                    for (pos_c, neg_c), (m_t, v_t), (logp, grid, _) in zip(one_mgf, tilted, parts)]
-        return (lam, top, bottom, log_dt, th_top), span_d, stats_d
+        # (With ``sharp``, a sixth entry: whether the fine grids end at the sharp tops.)
+        extra = (jnp.asarray(sharp_d, bool),) if sharp else ()
+        return (lam, top, bottom, log_dt, th_top) + extra, span_d, stats_d
 
     plans, spans, stats = {}, [], {}
     if smooth and len(direction_list) == 2:
@@ -337,21 +405,24 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
         # with atoms, Poisson-sampled (ε, δ), that moved ε by up to 7e-9 relative, so they
         # keep one traced copy per direction, bit-identical to session 15.)
         def step(carry, x):
-            sign, ends = x
-            plan, span_d, _ = per_direction(sign, [(b, t) for b, t in ends], log_dt)
+            sign, ends, tops_d = x
+            plan, span_d, _ = per_direction(sign, [(b, t) for b, t in ends], log_dt, tops_d)
             return carry, (plan, span_d)
 
         xs = (f64([1.0, -1.0]),
-              [tuple(jnp.stack([ranges[d][c][i] for d in direction_list]) for i in (0, 1)) for c in range(len(kinds))])
+              [tuple(jnp.stack([ranges[d][c][i] for d in direction_list]) for i in (0, 1)) for c in range(len(kinds))],
+              [jnp.stack([tops_f[d][c] for d in direction_list]) for c in range(len(kinds))] if sharp else None)
         _, (per, span_ds) = jax.lax.scan(step, None, xs)
         plans = {d: tuple(v[i] for v in per) for i, d in enumerate(direction_list)}
         spans = [span_ds[0], span_ds[1]]
     else:
         for d in direction_list:
-            plans[d], span_d, stats[d] = per_direction(d, ranges[d], log_dt)
+            plans[d], span_d, stats[d] = per_direction(d, ranges[d], log_dt, tops_f[d])
             spans.append(span_d)
     span_c = jnp.max(jnp.stack(spans))
-    return span_s, span_c, plans, z, stats, thetas
+    if sharp:  # the sharp tops' spacing only where every direction ends its grids there
+        span_f = jnp.where(jnp.all(jnp.stack([plans[d][5] for d in direction_list])), span_f, span_s)
+    return span_f, span_c, plans, z, stats, thetas
 
 
 def compose(kinds, params, counts, n, tau, estimate, query, what, stages=1, read=None):
@@ -380,8 +451,13 @@ def compose(kinds, params, counts, n, tau, estimate, query, what, stages=1, read
     """
     dirs = directions(kinds)
     two_stage = estimate == "upper" and stages == 2
+    # The Poisson-sampled Gaussian's sharp top (_single_range) for the one-stage upper ε(δ) only
+    # (for δ(ε) its tail mass is set by ``tail_bound``, not by δ; the two-stage block plan was
+    # tuned on the wide top).
+    sharp = (estimate == "upper" and not two_stage and what == "epsilon" and "sampled_gaussian" in kinds
+             and all(kd in _SMOOTH for kd in kinds))
     span_s, span_c, plans, z, stats, thetas_plan = _plan(kinds, params, counts, dirs, query, what, tau, n,
-                                                         not two_stage)
+                                                         not two_stage, sharp)
     span_s, span_c = jax.lax.stop_gradient((span_s, span_c))
     if two_stage:  # the spacing h2 of stage 2 and each block's window (_pld_stages.block_plan)
         ranges = {d: [jax.lax.stop_gradient(_single_range(kd, p_, d, z)) for kd, p_ in zip(kinds, params)]
@@ -396,7 +472,8 @@ def compose(kinds, params, counts, n, tau, estimate, query, what, stages=1, read
 
     def per_direction(direction, plan):
         """``read`` of one direction's composition (``direction`` a string or a traced sign)."""
-        lam, top_need, bottom_need, log_dt, th_top = jax.lax.stop_gradient(plan)
+        lam, top_need, bottom_need, log_dt, th_top = jax.lax.stop_gradient(plan[:5])
+        sharp_d = jax.lax.stop_gradient(plan[5]) if sharp else None
         # Tilt at least so much that the folded-up bulk (≤ e^{-λW}) is far below δ.
         if estimate == "lower":  # a smaller tilt folds less mass down (see _fold_down)
             lam = jnp.minimum(lam, jnp.maximum((_FOLD_LOG_LOWER - log_dt) / w_all, 0.5 * lam))
@@ -425,6 +502,8 @@ def compose(kinds, params, counts, n, tau, estimate, query, what, stages=1, read
             mech, counts_s = [], counts
             for kd, p_, k in zip(kinds, params, counts):
                 b1, t1 = jax.lax.stop_gradient(_single_range(kd, p_, direction, z))
+                if sharp:
+                    t1 = jnp.where(sharp_d, jax.lax.stop_gradient(_single_range(kd, p_, direction, z, True)[1]), t1)
                 o = jnp.floor(b1 / h)
                 grid = (o + j) * h
                 mech.append((o, grid) + tuple(masses(kd, p_, grid, h, direction, estimate, _cut(o, t1, h, n))))
