@@ -208,7 +208,8 @@ def _options(jax, quick: bool = False) -> dict | None:
 
 
 def _compile(jax, lowered, quick: bool = False):
-    """``lowered.compile()`` with :data:`_CPU_OPTIONS` on CPU; without them where XLA refuses them."""
+    """``lowered.compile()`` with :data:`_CPU_OPTIONS` on CPU (and :data:`_QUICK_OPTIONS` for a quick
+    program); without them where XLA refuses them."""
     opts = _options(jax, quick)
     if opts is None:
         return lowered.compile()
