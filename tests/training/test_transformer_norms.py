@@ -118,9 +118,25 @@ def test_linear_general():
     _check(_General(nnx.Rngs(0)), x, y)
 
 
+def _attention_f64(query, key, value, mask=None, **_):
+    """Dot-product attention with its softmax in the inputs' dtype (float64 here).
+
+    ``nnx.MultiHeadAttention``'s default goes through ``jax.nn.dot_product_attention``,
+    whose softmax is always float32: float64 models then have float32-accurate attention
+    gradients (two correct ways to differentiate it differ by ~1e-9 relative in the norms).
+    The fast path's float64 exactness is checked with this one.
+    """
+    logits = jnp.einsum("...qhd,...khd->...hqk", query / np.sqrt(query.shape[-1]), key)
+    if mask is not None:
+        logits = jnp.where(mask, logits, -jnp.inf)
+    weights = jax.nn.softmax(logits, axis=-1)
+    return jnp.einsum("...hqk,...khd->...qhd", weights, value)
+
+
 class _Attention(nnx.Module):
-    def __init__(self, t, d, heads, rngs):
-        self.mha = nnx.MultiHeadAttention(heads, d, qkv_features=2 * d, decode=False, rngs=rngs, **F64)
+    def __init__(self, t, d, heads, rngs, attention_fn=_attention_f64):
+        self.mha = nnx.MultiHeadAttention(heads, d, qkv_features=2 * d, decode=False, rngs=rngs,
+                                          attention_fn=attention_fn, **F64)
         self.head = nnx.Linear(d, 1, rngs=rngs, **F64)
 
     def __call__(self, x):
@@ -131,6 +147,24 @@ class _Attention(nnx.Module):
 def test_multi_head_attention(t, d, heads):
     x, y = _data(4, (t, d), seed=t + d)
     _check(_Attention(t, d, heads, nnx.Rngs(0)), x, y)
+
+
+def test_multi_head_attention_default_softmax_is_float32_accurate():
+    """flax's default attention (a float32 softmax inside float64 layers) at float32's accuracy.
+
+    The fast path's norm is that of the gradient it sums (so the clip holds exactly); the
+    reference differentiates the same float32 softmax in another order.
+    """
+    x, y = _data(4, (6, 8), seed=14)
+    model = _Attention(6, 8, 4, nnx.Rngs(0), attention_fn=nnx.dot_product_attention)
+    loss = lambda m, x, y: _loss(m, x, y)  # noqa: E731
+    assert fast_path_supported(loss, model, (x, y))
+    norms, sums = _reference(model, x, y, 1.0)
+    out = clipped_grad_sum(loss, model, (x, y), float(np.median(norms)))
+    np.testing.assert_allclose(out.norms, norms, rtol=1e-6)
+    own = np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(
+        clipped_grad_sum(loss, model, (x[:1], y[:1]), 1e9).grad_sum)))
+    np.testing.assert_allclose(own, out.norms[0], rtol=1e-12)  # the norm is its own gradient's
 
 
 class _Einsums(nnx.Module):
