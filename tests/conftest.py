@@ -30,7 +30,7 @@ os.environ.setdefault("JAXDP_CACHE_DIR", "off")
 # Compile with XLA's backend optimisation off: the suite's time is mostly compilation of
 # small programs (measured: tests/accounting/test_events.py 88 s -> 69 s), and the tests
 # check values with tolerances that hold for either level. Set XLA_FLAGS to override.
-# Session 19: and with XLA's classic CPU fusion emitters (those of jaxdp's own eager accountant
+# Since session 20: and with XLA's classic CPU fusion emitters (those of jaxdp's own eager accountant
 # programs, jaxdp/_program_cache.py), ~20-28 % less compilation CPU for the suite. Session 18
 # dropped it over poisson_pnsgd_rdp's burn-in (+inf): the backend contracted a cost into an FMA
 # in one fusion and not in another, so no cost equalled its min (fixed in the library, which no
