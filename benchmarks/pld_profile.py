@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import glob
 import gzip
 import json
@@ -101,7 +102,7 @@ def _attribute(text, chain):
     return out
 
 
-@__import__("functools").lru_cache(maxsize=None)
+@functools.cache
 def _lines(path):
     try:
         with open(path) as f:
