@@ -243,9 +243,9 @@ def _gc_paused():
 
     A first call traces and lowers the PLD's program: its short-lived Python objects set off
     ~80 collections of the young generations and a full one over the ~10^5 objects the imports
-    left, 0.06-0.17 s of wall time at a load of 9 (0.4-0.7 s trace and lowering). Nothing is
-    lost: cycles left behind are collected after the block, as they would have been. (Reference
-    counting, which frees most objects, is not affected.)
+    left: 0.06-0.17 s of wall time at a load of 9 (session 20). Nothing is lost: cycles left
+    behind are collected after the block, as they would have been. (Reference counting, which
+    frees most objects, is not affected.)
     """
     was = gc.isenabled()
     if was:
