@@ -78,7 +78,9 @@ References:
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import math
 import warnings
 from typing import NamedTuple
@@ -231,7 +233,28 @@ def _evaluate(event, query, grid_size, tail_bound, estimate, what, stages=PLD_ST
     sizes = tuple(len(p) + 1 for _, p, _ in comps)
     if estimate == "upper" and stages == 2:
         estimate = "upper2"
-    return _evaluate_jit(kinds, sizes, grid_size, tail_bound, estimate, what, *vals)
+    with _gc_paused():
+        return _evaluate_jit(kinds, sizes, grid_size, tail_bound, estimate, what, *vals)
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Python's cyclic garbage collector paused for the block (where it was enabled).
+
+    A first call traces and lowers the PLD's program: its short-lived Python objects set off
+    ~80 collections of the young generations and a full one over the ~10^5 objects the imports
+    left: 0.06-0.17 s of wall time at a load of 9 (session 20). Nothing is lost: cycles left
+    behind are collected after the block, as they would have been. (Reference counting, which
+    frees most objects, is not affected.)
+    """
+    was = gc.isenabled()
+    if was:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 PLD_SECOND_DERIVATIVE_MESSAGE = (

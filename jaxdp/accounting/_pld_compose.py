@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._numerics import f64
+from .._numerics import f64, where
 from ._pld_curves import by_direction, directions, lse, masses, sign_of, tilted_fft
 from ._pld_stages import block_plan, blocks
 
@@ -79,40 +79,54 @@ def _single_range(kind, params, direction, z, sharp=False):
     Gaussian, remove direction): under P = (1 - q)N(0, 1) + qN(μ, 1) the mass above x is
     qΦ̄(x - μ) + (1 - q)Φ̄(x), so the top x_t = max(z_q + μ, z), z_q² = z² + 2 log q, leaves
     about 2Φ̄(z) above it where x = z + μ leaves Φ̄(z): a lower top for small q (issue 27's
-    q = 0.001, σ = 0.8: 3.21 → 2.06).
+    q = 0.001, σ = 0.8: 3.21 → 2.06). With ``sharp`` the triple (b, t, sharp top).
     """
+    return _pick(_range_pairs(kind, params, z, sharp), direction)
+
+
+def _pick(pairs, direction):
+    """One direction's values of :func:`_range_pairs` (a pair is (remove, add))."""
+    sign = sign_of(direction)
+    out = tuple(by_direction(sign, *v) if isinstance(v, tuple) else v for v in pairs)
+    return out if pairs[2] is not None else out[:2]
+
+
+def _range_pairs(kind, params, z, sharp=False):
+    """(b, t, sharp top or None) of :func:`_single_range`, each a (remove, add) pair for the
+    Poisson-sampled kinds: traced once for both directions and both tops (shared terms once)."""
     if kind == "laplace":
         inv = 1.0 / params[0]
-        return -inv, inv
+        return -inv, inv, (inv if sharp else None)
     if kind == "approx_dp":
-        return -params[0], params[0]
+        return -params[0], params[0], (params[0] if sharp else None)
     if kind == "gaussian":
         mu = 1.0 / params[-1]
-        return 0.5 * mu * mu - z * mu, 0.5 * mu * mu + z * mu
+        t = 0.5 * mu * mu + z * mu
+        return 0.5 * mu * mu - z * mu, t, (t if sharp else None)
     q = jnp.clip(params[0], 1e-300, 1.0)
     lq = jnp.log1p(-jnp.minimum(q, 1.0 - 1e-16))
-    lq = jnp.where(q < 1.0, lq, -1e300)
+    lq = where(q < 1.0, lq, -1e300)
     logq = jnp.log(q)
-    sign = sign_of(direction)
     if kind == "sampled_gaussian":
         mu = 1.0 / params[-1]
-        b = by_direction(sign, jnp.maximum(lq, logq - 0.5 * mu * mu - z * mu),
-                  -jnp.logaddexp(lq, logq + mu * z - 0.5 * mu * mu))
+        b = (jnp.maximum(lq, logq - 0.5 * mu * mu - z * mu), -jnp.logaddexp(lq, logq + mu * z - 0.5 * mu * mu))
         top_rm = logq + mu * z + 0.5 * mu * mu
+        t = (jnp.logaddexp(lq, top_rm), jnp.minimum(-lq, -logq + 0.5 * mu * mu + z * mu))
+        t_sharp = None
         if sharp:
             # Remove direction: the mass above x is qΦ̄(x - μ) + (1 - q)Φ̄(x), so x_t =
             # max(z_q + μ, z) with z_q² = z² + 2 log q leaves about Φ̄(z) above it, as x = z + μ does.
-            top_rm = logq + (mu * jnp.maximum(jnp.sqrt(jnp.maximum(z * z + 2.0 * logq, 0.0)) + mu, z) - 0.5 * mu * mu)
-        t = by_direction(sign, jnp.logaddexp(lq, top_rm),
-                  jnp.minimum(-lq, -logq + 0.5 * mu * mu + z * mu))
-        return b, t
+            top_s = logq + (mu * jnp.maximum(jnp.sqrt(jnp.maximum(z * z + 2.0 * logq, 0.0)) + mu, z) - 0.5 * mu * mu)
+            t_sharp = (jnp.logaddexp(lq, top_s), t[1])
+        return b, t, t_sharp
     if kind == "sampled_laplace":
         lo, hi = -1.0 / params[1], 1.0 / params[1]
     else:  # sampled_approx_dp: ±ε (the point only Q charges, mass ≤ δ, is left off the grid)
         lo, hi = -params[1], params[1]
     lo_s = jnp.logaddexp(lq, logq + lo)
     hi_s = jnp.logaddexp(lq, logq + hi)
-    return by_direction(sign, lo_s, -hi_s), by_direction(sign, hi_s, -lo_s)
+    t = (hi_s, -lo_s)
+    return (lo_s, -hi_s), t, (t if sharp else None)
 
 
 
@@ -130,7 +144,7 @@ def _between_rungs(thetas, *mgfs):
     t = (mid - thetas[:-1]) / (thetas[1:] - thetas[:-1])
     out = [jnp.stack([thetas[:-1], mid], axis=1).reshape(-1)]
     for g in mgfs:
-        chord = jnp.where(jnp.isfinite(g[1:]) & jnp.isfinite(g[:-1]), g[:-1] + t * (g[1:] - g[:-1]),
+        chord = where(jnp.isfinite(g[1:]) & jnp.isfinite(g[:-1]), g[:-1] + t * (g[1:] - g[:-1]),
                           jnp.maximum(g[1:], g[:-1]))
         out.append(jnp.stack([g[:-1], chord], axis=1).reshape(-1))
     return tuple(jnp.concatenate([o, x[-1:]]) for o, x in zip(out, (thetas,) + mgfs))
@@ -154,7 +168,7 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
     coarse pass, its tilt and the window's bottom keep the wide ranges). Nothing here needs to be exact: the result is
     certified for any plan (see :func:`compose`); the plan only makes it tight.
     """
-    ks = [jnp.where(jnp.isfinite(k) & (k >= 0), k, 0.0) for k in counts]
+    ks = [where(jnp.isfinite(k) & (k >= 0), k, 0.0) for k in counts]
     k_tot = jnp.maximum(sum(ks), 1.0)
     if what == "epsilon":
         log_dt = jnp.log(jnp.clip(query, 1e-300, 1.0))
@@ -168,17 +182,19 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
 
     # Single ranges, with the tail mass from δ (for δ(ε) from a first guess at ε: tail_bound).
     z = z_of(log_dt) if log_dt is not None else z_of(log_tau - math.log(_ETA))
-    ranges = {d: [_single_range(kd, p, d, z) for kd, p in zip(kinds, params)] for d in direction_list}
+    # (Both directions' ranges and tops traced once per mechanism.)
+    pairs = [_range_pairs(kd, p, z, sharp) for kd, p in zip(kinds, params)]
+    ranges = {d: [_pick(pp, d)[:2] for pp in pairs] for d in direction_list}
     span_s = jnp.max(jnp.stack([t - b for d in direction_list for b, t in ranges[d]]))
-    span_s = jnp.where(jnp.isfinite(span_s) & (span_s > 0), span_s, 1.0)
+    span_s = where(jnp.isfinite(span_s) & (span_s > 0), span_s, 1.0)
     # The fine grids' ranges (``sharp``: the sampled Gaussian's tighter top, see _single_range);
     # the coarse pass keeps the wider ones.
     span_f = span_s
     tops_f = {d: [t for _, t in ranges[d]] for d in direction_list}
     if sharp:
-        tops_f = {d: [_single_range(kd, p, d, z, True)[1] for kd, p in zip(kinds, params)] for d in direction_list}
+        tops_f = {d: [_pick(pp, d)[2] for pp in pairs] for d in direction_list}
         span_f = jnp.max(jnp.stack([t - b for d in direction_list for (b, _), t in zip(ranges[d], tops_f[d])]))
-        span_f = jnp.where(jnp.isfinite(span_f) & (span_f > 0), jnp.minimum(span_f, span_s), span_s)
+        span_f = where(jnp.isfinite(span_f) & (span_f > 0), jnp.minimum(span_f, span_s), span_s)
     n1 = _COARSE
     h1 = span_s / (n1 - 2)
     j1 = jnp.arange(n1, dtype=jnp.float64)
@@ -203,15 +219,15 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
             # array, as it does in compose; with none, it fused the curve into the masses' kernel
             # and re-emitted it (special functions and all) for every neighbour the masses read:
             # one kernel of 14,261 LLVM IR lines, a fifth of the program's, 18 % of its compile.
-            p = jnp.where(p_inf > 1.0, jnp.nan, p)
-            logp = jnp.where(p > 0, jnp.log(jnp.where(p > 0, p, 1.0)), -jnp.inf)
+            p = where(p_inf > 1.0, jnp.nan, p)
+            logp = where(p > 0, jnp.log(where(p > 0, p, 1.0)), -jnp.inf)
             pos_c = lse(logp[None, :], thetas[:, None] * grid[None, :])
             neg_c = lse(logp[None, :], -thetas[:, None] * grid[None, :])
             lam_mgf = lam_mgf + k * pos_c
             if sharp and kd == "sampled_gaussian":
                 # The fine grid's step ends at its sharp top (the mass above goes to +∞).
                 cut_f = _cut(o1, tops_d[len(parts)], h1, n1)
-                top_mgf = top_mgf + k * lse(jnp.where(grid <= cut_f, logp, -jnp.inf)[None, :],
+                top_mgf = top_mgf + k * lse(where(grid <= cut_f, logp, -jnp.inf)[None, :],
                                             thetas[:, None] * grid[None, :])
             elif sharp:
                 top_mgf = top_mgf + k * pos_c
@@ -223,7 +239,7 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
         else:
             obj = lam_mgf - thetas * query
         best = jnp.min(obj)
-        lam = jnp.max(jnp.where(obj <= best, thetas, 0.0))  # (no argmin, see epsilon_read)
+        lam = jnp.max(where(obj <= best, thetas, 0.0))  # (no argmin, see epsilon_read)
         # The round-off's reference loss: the Chernoff point (above the answer), or ε itself.
         ref = best if what == "epsilon" else query
         if what == "delta":
@@ -234,7 +250,7 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
         tilted = []
         for logp, grid, k in parts:
             a = lse(logp, lam * grid)
-            w = jnp.exp(jnp.where(jnp.isfinite(logp), logp + lam * grid - a, -jnp.inf))
+            w = jnp.exp(where(jnp.isfinite(logp), logp + lam * grid - a, -jnp.inf))
             m = jnp.sum(w * grid)
             v1 = jnp.sum(w * (grid - m) ** 2)
             var = var + k * v1
@@ -246,7 +262,7 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
         # Top: the Chernoff point at δ·η (mass above it is certified and negligible).
         top_obj = (lam_mgf - (log_dt + math.log(_ETA))) / thetas
         top = jnp.min(top_obj)
-        th_top = jnp.max(jnp.where(top_obj <= top, thetas, 0.0))
+        th_top = jnp.max(where(top_obj <= top, thetas, 0.0))
         top_old, th_top_old = top, th_top
         if what == "epsilon":
             centre = best - jnp.log(jnp.maximum(lam * s * math.sqrt(2.0 * math.pi), 1.0)) / lam
@@ -275,9 +291,9 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
             sharp_d = log_m_of(jnp.maximum(span_s, top_old - bottom) / (n - 2)) <= log_dt - _SHARP_LOG
             top_obj = (top_mgf - (log_dt + math.log(_ETA))) / thetas
             top_s = jnp.min(top_obj)
-            top = jnp.where(sharp_d, top_s, top_old)
-            th_top = jnp.where(sharp_d, jnp.max(jnp.where(top_obj <= top_s, thetas, 0.0)), th_top_old)
-            span_p = jnp.where(sharp_d, span_f, span_s)
+            top = where(sharp_d, top_s, top_old)
+            th_top = where(sharp_d, jnp.max(where(top_obj <= top_s, thetas, 0.0)), th_top_old)
+            span_p = where(sharp_d, span_f, span_s)
         if smooth:
             # The window [top - W, top] and the tilt λ: of a ladder of extensions W below
             # ``bottom`` and the ladder of θ, the pair that minimises the estimated sum of the
@@ -296,7 +312,7 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
             # θ between the ladder's rungs too (Λ convex: its chords bound it above).
             if sharp:
                 tf, mgf_f, neg_f, fine_f = _between_rungs(thetas, lam_mgf, neg_mgf, top_mgf)
-                fine_f = jnp.where(sharp_d, fine_f, mgf_f)
+                fine_f = where(sharp_d, fine_f, mgf_f)
             else:
                 tf, mgf_f, neg_f = _between_rungs(thetas, lam_mgf, neg_mgf)
                 fine_f = mgf_f
@@ -318,19 +334,19 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
             log_disc = log_dt + jnp.log(lam0 * lam0 * k_disc / 12.0 + _TINY) + 2.0 * jnp.log(h_c)
             terms = jnp.stack([log_fu, log_fd, log_rd, jnp.broadcast_to(log_disc[:, None], log_fu.shape)])
             total = lse(jnp.moveaxis(terms, 0, -1), 0.0)
-            total = jnp.where(jnp.all(jnp.isfinite(terms) | (terms == -jnp.inf), axis=0), total, jnp.inf)
+            total = where(jnp.all(jnp.isfinite(terms) | (terms == -jnp.inf), axis=0), total, jnp.inf)
             e_idx = f64(np.arange(len(_EXTEND)))
             # (No argmin: its variadic reduction breaks reverse mode outside the float64 scope.)
             least = jnp.min(total)
             hit = total <= least
-            e_star = jnp.min(jnp.where(jnp.any(hit, axis=1), e_idx, 1e9))
+            e_star = jnp.min(where(jnp.any(hit, axis=1), e_idx, 1e9))
             # Where every estimate is +inf or NaN, the Chernoff plan: the answer's tilt and the
             # narrowest window whose fold from below fits (only less tight, never invalid).
-            w_fit = top - jnp.max(jnp.where(-lam0 * w_c + log_below <= log_dt - _FOLD_LOG, b_c, b_c[-1]))
+            w_fit = top - jnp.max(where(-lam0 * w_c + log_below <= log_dt - _FOLD_LOG, b_c, b_c[-1]))
             found = jnp.isfinite(least)
             sel = (e_idx == e_star)[:, None]
-            lam_new = jnp.where(found, jnp.min(jnp.where(sel & hit, tf[None, :], jnp.inf)), lam0)
-            span_new = jnp.where(found, jnp.sum(jnp.where(sel[:, 0], w_c, 0.0)), w_fit)
+            lam_new = where(found, jnp.min(where(sel & hit, tf[None, :], jnp.inf)), lam0)
+            span_new = where(found, jnp.sum(where(sel[:, 0], w_c, 0.0)), w_fit)
         # The s12 plan (kinds with atoms: Laplace, (ε, δ); and, for smooth kinds, where
         # round-off dominates, see below).
         # The window [top - W, top] and the tilt λ: the narrowest W of a ladder of extensions
@@ -358,18 +374,18 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
         r_obj = log_m_worst + (lam_mgf - thetas * ref)[None, :] + bins
         rd = r_obj <= log_dt - 7.0
         # Only windows up to _MAX_WIDEN times the Chernoff plan's (wider ones cost accuracy).
-        w_fit = top - jnp.max(jnp.where(-lam0 * w_c + log_below <= log_dt - _FOLD_LOG, b_c, b_c[-1]))
+        w_fit = top - jnp.max(where(-lam0 * w_c + log_below <= log_dt - _FOLD_LOG, b_c, b_c[-1]))
         near = (w_c <= _MAX_WIDEN * jnp.maximum(w_fit, span_s))[:, None]
         all3 = fd & fu & rd & near
         e_idx = f64(np.arange(len(_EXTEND_ATOMS)))
-        e_star = jnp.min(jnp.where(jnp.any(all3, axis=1), e_idx, 1e9))
+        e_star = jnp.min(where(jnp.any(all3, axis=1), e_idx, 1e9))
         # Where no window and tilt of the ladder fit, the Chernoff plan: the answer's tilt and
         # the narrowest window whose fold from below fits (what the bounds cannot certify is
         # then only less tight, never invalid).
         found = e_star < 1e9
         sel = (e_idx == e_star)[:, None]
-        lam_old = jnp.where(found, jnp.min(jnp.where(sel & all3, thetas[None, :], jnp.inf)), lam0)
-        span_old = jnp.where(found, jnp.sum(jnp.where(sel[:, 0], w_c, 0.0)), w_fit)
+        lam_old = where(found, jnp.min(where(sel & all3, thetas[None, :], jnp.inf)), lam0)
+        span_old = where(found, jnp.sum(where(sel[:, 0], w_c, 0.0)), w_fit)
         if smooth:
             # The s12 plan where the estimates above cannot be trusted: where the estimated
             # round-off bound per bin m (least over the windows) exceeds δe^{_ROUND_LOG} (small
@@ -381,11 +397,11 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
             # pass (no second FFT); any plan is certified (see compose).
             # (ε(δ) only: for δ(ε) the estimate log δ can be far below the answer's δ.)
             use_new = (jnp.min(log_m) <= log_dt + _ROUND_LOG) | (what != "epsilon")
-            lam = jnp.where(use_new, lam_new, lam_old)
-            span_d = jnp.where(use_new, span_new, span_old)
+            lam = where(use_new, lam_new, lam_old)
+            span_d = where(use_new, span_new, span_old)
             if sharp:
-                top = jnp.where(use_new, top_new, top_old)
-                th_top = jnp.where(use_new, th_top_new, th_top_old)
+                top = where(use_new, top_new, top_old)
+                th_top = where(use_new, th_top_new, th_top_old)
                 sharp_d = sharp_d & use_new
         else:
             lam, span_d = lam_old, span_old
@@ -421,7 +437,7 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
             spans.append(span_d)
     span_c = jnp.max(jnp.stack(spans))
     if sharp:  # the sharp tops' spacing only where every direction ends its grids there
-        span_f = jnp.where(jnp.all(jnp.stack([plans[d][5] for d in direction_list])), span_f, span_s)
+        span_f = where(jnp.all(jnp.stack([plans[d][5] for d in direction_list])), span_f, span_s)
     return span_f, span_c, plans, z, stats, thetas
 
 
@@ -460,13 +476,13 @@ def compose(kinds, params, counts, n, tau, estimate, query, what, stages=1, read
                                                          not two_stage, sharp)
     span_s, span_c = jax.lax.stop_gradient((span_s, span_c))
     if two_stage:  # the spacing h2 of stage 2 and each block's window (_pld_stages.block_plan)
-        ranges = {d: [jax.lax.stop_gradient(_single_range(kd, p_, d, z)) for kd, p_ in zip(kinds, params)]
-                  for d in dirs}
+        pairs = [_range_pairs(kd, p_, z) for kd, p_ in zip(kinds, params)]
+        ranges = {d: [jax.lax.stop_gradient(_pick(pp, d)) for pp in pairs] for d in dirs}
         bp = jax.lax.stop_gradient(block_plan(kinds, params, stats, thetas_plan, counts, ranges, plans, span_c, n))
         h = bp.h2
     else:
         h = jnp.maximum(span_s, span_c) / (n - 2)
-    h = jnp.where(jnp.isfinite(h) & (h > 0), h, 1.0)
+    h = where(jnp.isfinite(h) & (h > 0), h, 1.0)
     w_all = n * h
     j = jnp.arange(n, dtype=jnp.float64)
 
@@ -501,9 +517,9 @@ def compose(kinds, params, counts, n, tau, estimate, query, what, stages=1, read
             # generating function would be dominated by far tails that cost little δ.
             mech, counts_s = [], counts
             for kd, p_, k in zip(kinds, params, counts):
-                b1, t1 = jax.lax.stop_gradient(_single_range(kd, p_, direction, z))
+                b1, t1, *t_s = jax.lax.stop_gradient(_single_range(kd, p_, direction, z, sharp))
                 if sharp:
-                    t1 = jnp.where(sharp_d, jax.lax.stop_gradient(_single_range(kd, p_, direction, z, True)[1]), t1)
+                    t1 = where(sharp_d, t_s[0], t1)
                 o = jnp.floor(b1 / h)
                 grid = (o + j) * h
                 mech.append((o, grid) + tuple(masses(kd, p_, grid, h, direction, estimate, _cut(o, t1, h, n))))
@@ -514,7 +530,7 @@ def compose(kinds, params, counts, n, tau, estimate, query, what, stages=1, read
         # Σ_c k_c·decrease lower, and so does its window.
         shift = 0.0
         if estimate == "lower":
-            shift = h * sum(jnp.where(jnp.isfinite(k), k, 0.0) * m[4] for k, m in zip(counts, mech))
+            shift = h * sum(where(jnp.isfinite(k), k, 0.0) * m[4] for k, m in zip(counts, mech))
         if what == "delta":  # keep ε inside the window
             shift = jnp.minimum(shift, jnp.maximum(top_need - bottom_need - 2.0 * h, 0.0))
         a0 = jnp.ceil((top_need - jax.lax.stop_gradient(shift)) / h) - (n - 1)
@@ -524,8 +540,8 @@ def compose(kinds, params, counts, n, tau, estimate, query, what, stages=1, read
         log_mgf = jnp.zeros(thetas.shape)
         neg_mgf = jnp.zeros(thetas.shape)
         for k, (o, grid, p, *_) in zip(counts_s, mech):
-            kf = jnp.where(jnp.isfinite(k), k, 0.0)
-            logp = jnp.where(p > 0, jnp.log(jnp.where(p > 0, p, 1.0)), -jnp.inf)
+            kf = where(jnp.isfinite(k), k, 0.0)
+            logp = where(p > 0, jnp.log(where(p > 0, p, 1.0)), -jnp.inf)
             log_mgf = log_mgf + kf * lse(logp[None, :], thetas[:, None] * grid[None, :])
             if estimate == "lower":
                 neg_mgf = neg_mgf + kf * lse(logp[None, :], -thetas[:, None] * grid[None, :])
@@ -557,7 +573,7 @@ def compose(kinds, params, counts, n, tau, estimate, query, what, stages=1, read
 
             def geo(c):
                 den = -jnp.expm1(-(2.0 * lam_h + c * h))
-                return jnp.where(den > 0, nums[c] / jnp.where(den > 0, den, 1.0), big_k)
+                return where(den > 0, nums[c] / where(den > 0, den, 1.0), big_k)
 
             g0 = geo(0)  # the weights at most 1
             g_w = g0 - 2.0 * jnp.exp(-h) * geo(1) + jnp.exp(-2.0 * h) * geo(2) + 80.0 * _U * g0
@@ -569,7 +585,7 @@ def compose(kinds, params, counts, n, tau, estimate, query, what, stages=1, read
         else:
             l2 = None
             mass = jnp.maximum(r_t - (m_two + m_bin), 0.0)
-            logm = jnp.where(mass > 0, jnp.log(jnp.where(mass > 0, mass, 1.0)), -jnp.inf)
+            logm = where(mass > 0, jnp.log(where(mass > 0, mass, 1.0)), -jnp.inf)
             probs = jnp.exp(jnp.minimum(logm + log_scale, 0.0))
             # Mass below the window folded up by mW, scaled by e^{-λmW}: at most
             # P(L < bottom) e^{-λW}/(1 - e^{-λW}), P(L < b) ≤ min_θ e^{Λ(-θ) + θb}.
@@ -607,14 +623,14 @@ def _fold_down(log_mgf, thetas, lam, w_all, eps):
 
 def delta_read(c: Composed, eps, estimate):
     w = -jnp.expm1(jnp.minimum(eps - c.losses, 0.0))
-    w = jnp.where(c.losses > eps, w, 0.0)
+    w = where(c.losses > eps, w, 0.0)
     d = jnp.sum(c.probs * w) + c.extra
     if c.l2 is not None:  # the normwise round-off from the first bin above ε (0 if none)
-        d = d + jnp.max(jnp.where(c.losses > eps, c.l2, 0.0))
+        d = d + jnp.max(where(c.losses > eps, c.l2, 0.0))
     if c.fold is not None:
         d = d - c.fold(eps)
     if estimate == "upper":  # below the window's bottom (never planned so) nothing is certified
-        d = jnp.where(eps >= c.losses[0] - (c.losses[1] - c.losses[0]), d, 1.0)
+        d = where(eps >= c.losses[0] - (c.losses[1] - c.losses[0]), d, 1.0)
     return jnp.clip(d, 0.0, 1.0)
 
 
@@ -682,19 +698,19 @@ def epsilon_read(c: Composed, target, estimate="upper"):
     # last one above it, n if none. (A max over the indices: the reversed cumsum it replaces
     # became a tree of reduce-window kernels in XLA's CPU compile.)
     idx = jnp.arange(n, dtype=jnp.float64)
-    first = jnp.max(jnp.where(d_at > target, idx, -1.0)) + 1.0
+    first = jnp.max(where(d_at > target, idx, -1.0)) + 1.0
     any_ok = first < n
     # S and T e^{ε_j} over i ≥ j: S_j = s_next_j + r_j, D'_j = d_next_j + r_j; picked at j = first
     # in one reduction (a sum with one nonzero term, exact; no argmax or gather: its variadic
     # reduction broke reverse mode outside the float64 scope).
     cols = [s_next + r, d_next + r, e] + ([x] if jnp.ndim(x) else [])
-    picked = jnp.sum(jnp.where(idx == first, jnp.stack(cols), 0.0), axis=1)
+    picked = jnp.sum(where(idx == first, jnp.stack(cols), 0.0), axis=1)
     s_star, dd_star, e_star = picked[0], picked[1], picked[2]
     x_star = picked[3] if jnp.ndim(x) else x
     num = x_star + s_star - target
     pos = (num > 0) & (dd_star > 0)
     # X + S - e^{ε - ε_j} D' = target  ⇒  ε = ε_j + log((X + S - target)/D').
-    sol = jnp.where(pos, e_star + jnp.log(jnp.where(pos, num, 1.0)) - jnp.log(jnp.where(pos, dd_star, 1.0)),
+    sol = where(pos, e_star + jnp.log(where(pos, num, 1.0)) - jnp.log(where(pos, dd_star, 1.0)),
                     -jnp.inf)
     sol = jnp.minimum(sol, e_star)  # δ(e_star) ≤ target was checked on the grid
     # Never below the bin before: at the window's bottom ε_0 the mass below the window (not
@@ -705,8 +721,8 @@ def epsilon_read(c: Composed, target, estimate="upper"):
     # Poisson-sampled (ε, δ) events whose lower window lay above the answer.)
     clamped = jnp.maximum(sol, e_star - h)
     if estimate == "lower":
-        clamped = jnp.where((first > 0) | (sol >= e_star - h), clamped, 0.0)
+        clamped = where((first > 0) | (sol >= e_star - h), clamped, 0.0)
     out = jnp.maximum(clamped, 0.0)
-    return jnp.where(any_ok & (c.extra < target), out, jnp.inf)
+    return where(any_ok & (c.extra < target), out, jnp.inf)
 
 

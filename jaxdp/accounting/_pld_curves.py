@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._numerics import log_ndtr
+from .._numerics import log_ndtr, where
 
 _U = float(np.finfo(np.float64).eps)
 
@@ -47,7 +47,7 @@ def _sgm_y(eps, q, sign):
     """
     lq = jnp.log1p(-q)  # -inf at q = 1
     inside = sign * eps > lq  # (for sign -1: ε < -log(1-q))
-    e_s = jnp.where(inside, eps, jnp.where(sign > 0, 1.0, -1.0) + jnp.where(jnp.isfinite(lq), sign * lq, 0.0))
+    e_s = where(inside, eps, where(sign > 0, 1.0, -1.0) + where(jnp.isfinite(lq), sign * lq, 0.0))
     y = jnp.log(jnp.expm1(sign * e_s) + q) - jnp.log(q)
     return y, inside
 
@@ -70,7 +70,7 @@ def by_direction(sign, remove, add):
     """``remove`` where the direction's sign is +1, else ``add`` (a select when traced)."""
     if isinstance(sign, float):
         return remove if sign > 0 else add
-    return jnp.where(sign > 0, remove, add)
+    return where(sign > 0, remove, add)
 
 
 def _sampled_delta(eps, q, sign, d_in):
@@ -81,13 +81,13 @@ def _sampled_delta(eps, q, sign, d_in):
     (Balle, Barthe, Gaboardi 2018, Theorem 8 and its add form). The inner curve is evaluated
     once, at sign·y.
     """
-    q_s = jnp.where(q > 0, q, 1.0)
+    q_s = where(q > 0, q, 1.0)
     y, inside = _sgm_y(eps, q_s, sign)
     pre = by_direction(sign, q_s, -jnp.expm1(eps + jnp.log1p(-q_s)))
     outside = by_direction(sign, -jnp.expm1(jnp.minimum(eps, 0.0)), 0.0)
-    d = jnp.where(inside, pre * d_in(sign * y), outside)
+    d = where(inside, pre * d_in(sign * y), outside)
     # q = 0: the loss is 0 (δ = (1 - e^ε)_+).
-    return jnp.where(q > 0, d, -jnp.expm1(jnp.minimum(eps, 0.0)))
+    return where(q > 0, d, -jnp.expm1(jnp.minimum(eps, 0.0)))
 
 
 def _delta_sgm(eps, q, sigma, direction):
@@ -105,13 +105,13 @@ def _delta_laplace(eps, b):
     inv = 1.0 / b
     mid = -jnp.expm1(jnp.minimum(eps / 2.0 - inv / 2.0, 0.0))
     low = -jnp.expm1(jnp.minimum(eps, 0.0))
-    return jnp.where(eps >= inv, 0.0, jnp.where(eps <= -inv, low, mid))
+    return where(eps >= inv, 0.0, where(eps <= -inv, low, mid))
 
 
 def _survival_laplace(eps, b):
     inv = 1.0 / b
     mid = 1.0 - 0.5 * jnp.exp(jnp.minimum(eps / 2.0 - inv / 2.0, 0.0))
-    return jnp.where(eps >= inv, 0.0, jnp.where(eps < -inv, 1.0, mid))
+    return where(eps >= inv, 0.0, where(eps < -inv, 1.0, mid))
 
 
 
@@ -136,15 +136,15 @@ def _survival_approx_dp(eps, eps0, d0, strict=True):
     """P(L > ε) (or P(L ≥ ε) with ``strict=False``) of the (ε₀, δ₀) pair's loss (δ₀ at +∞)."""
     hi, lo = _approx_dp_weights(eps0, d0)
     if strict:
-        return d0 + jnp.where(eps < eps0, hi, 0.0) + jnp.where(eps < -eps0, lo, 0.0)
-    return d0 + jnp.where(eps <= eps0, hi, 0.0) + jnp.where(eps <= -eps0, lo, 0.0)
+        return d0 + where(eps < eps0, hi, 0.0) + where(eps < -eps0, lo, 0.0)
+    return d0 + where(eps <= eps0, hi, 0.0) + where(eps <= -eps0, lo, 0.0)
 
 
 def _survival_laplace_ge(eps, b):
     """P(L ≥ ε) of the Laplace pair (atoms at ±1/b)."""
     inv = 1.0 / b
     mid = 1.0 - 0.5 * jnp.exp(jnp.minimum(eps / 2.0 - inv / 2.0, 0.0))
-    return jnp.where(eps > inv, 0.0, jnp.where(eps <= -inv, 1.0, mid))
+    return where(eps > inv, 0.0, where(eps <= -inv, 1.0, mid))
 
 
 def _inner(kind, params):
@@ -179,13 +179,13 @@ def _survival_sampled(kind, params, eps, direction):
     """
     q = params[0]
     _, surv, surv_ge = _inner(kind, params)
-    q_s = jnp.where(q > 0, q, 1.0)
+    q_s = where(q > 0, q, 1.0)
     sign = sign_of(direction)
     y, inside = _sgm_y(eps, q_s, sign)
     # Remove: (1-q)(1 - P(L ≥ -y)) + q P(L > y), 1 outside; add: P(L > -y'), 0 outside.
     s = by_direction(sign, (1.0 - q_s) * (1.0 - surv_ge(-y)) + q_s * surv(y), surv(-y))
-    s = jnp.where(inside, s, by_direction(sign, 1.0, 0.0))
-    return jnp.where(q > 0, s, jnp.where(eps < 0, 1.0, 0.0))
+    s = where(inside, s, by_direction(sign, 1.0, 0.0))
+    return where(q > 0, s, where(eps < 0, 1.0, 0.0))
 
 
 def curve(kind, params, eps, direction, estimate):
@@ -260,20 +260,22 @@ def _upper_masses(kind, params, eps_grid, h, direction, beyond):
     pos = e >= 0.0
     idx = (-m0 - (_NEAR + 1) + jnp.arange(near, dtype=eps_grid.dtype))
     inside = (idx >= 0) & (idx < n)
-    idx = jnp.where(inside, idx, n).astype(jnp.int32)
+    idx = where(inside, idx, n).astype(jnp.int32)
     idx_c = jnp.minimum(idx, n - 1)
     e_near = e[idx_c]
     # One curve evaluation: every point's own half (δ at ε ≥ 0, g's δ_swap(-ε) below), then the
     # other half at the points around 0, then δ at the last point (the +∞ mass).
-    args = jnp.concatenate([jnp.where(pos, e, -e), jnp.where(pos[idx_c], -e_near, e_near), e[-1:]])
+    pos_near = pos[idx_c]
+    args = jnp.concatenate([where(pos, e, -e), where(pos_near, -e_near, e_near), e[-1:]])
     if kind.startswith("sampled_"):
         sign = jnp.asarray(sign_of(direction), eps_grid.dtype)
-        own = jnp.where(pos, sign, -sign)
+        own = where(pos, sign, -sign)
         direction = jnp.concatenate([own, -own[idx_c], sign[None]])
     vals = jnp.clip(curve(kind, params, args, direction, "upper"), 0.0, 1.0)
     val, other, d_last = vals[:n], vals[n:n + near], vals[n + near]
-    d = jnp.where(pos, val, 0.0).at[idx].set(jnp.where(pos[idx_c], val[idx_c], other), mode="drop")
-    g_raw = jnp.where(pos, 0.0, val).at[idx].set(jnp.where(pos[idx_c], other, val[idx_c]), mode="drop")
+    val_near = val[idx_c]
+    d = where(pos, val, 0.0).at[idx].set(where(pos_near, val_near, other), mode="drop")
+    g_raw = where(pos, 0.0, val).at[idx].set(where(pos_near, other, val_near), mode="drop")
     g = jnp.exp(jnp.minimum(e, 700.0)) * g_raw
     p_d = _ctd(d, h)
     p_g = _ctd_complement(g, e, h)
@@ -283,9 +285,9 @@ def _upper_masses(kind, params, eps_grid, h, direction, beyond):
     # Where δ = 1 - e^ε exactly (no loss there) g is 0 and so are the masses; differences of
     # δ would leave round-off noise that, clipped at 0, adds up to spurious mass. Round-off can
     # still leave a tiny negative mass; it is set to 0 (raises δ).
-    p = jnp.where(m > _NEAR, p_d, jnp.where(m < -_NEAR, p_g, jnp.where(d_prev <= g_next, p_d, p_g)))
+    p = where(m > _NEAR, p_d, where(m < -_NEAR, p_g, where(d_prev <= g_next, p_d, p_g)))
     if beyond is not None:
-        p = jnp.where(beyond, p_d, p)
+        p = where(beyond, p_d, p)
     return jnp.maximum(p, 0.0), d_last
 
 
@@ -315,7 +317,7 @@ def masses(kind, params, eps_grid, h, direction, estimate, cut_loss=None):
         # raising losses between the cut and the grid's top (δ over-stated: the lower bound
         # of Poisson-sampled (ε, δ) events was above the true ε).
         at_cut = beyond & ~jnp.concatenate([jnp.zeros((1,), dtype=bool), beyond[:-1]])
-        p = jnp.where(beyond, jnp.where(at_cut, s, 0.0), p)
+        p = where(beyond, where(at_cut, s, 0.0), p)
     return p, jnp.zeros(()), jnp.full((), 0.5)
 
 
@@ -351,13 +353,13 @@ def _merged_buckets(kind, params, eps_grid, h, direction, beyond):
     best = None
     for off in LOWER_OFFSETS:
         sp, sq = survival_pair(kind, params, eps_grid + (off - 0.5) * h, direction)
-        sp = jnp.where(after, 0.0, jnp.clip(sp, 0.0, 1.0))
-        sq = jnp.where(after, 0.0, jnp.clip(sq, 0.0, 1.0))
+        sp = where(after, 0.0, jnp.clip(sp, 0.0, 1.0))
+        sq = where(after, 0.0, jnp.clip(sq, 0.0, 1.0))
         pb = jnp.maximum(sp - jnp.concatenate([sp[1:], jnp.zeros((1,))]), 0.0)
         qb = jnp.maximum(sq - jnp.concatenate([sq[1:], jnp.zeros((1,))]), 0.0)
         ok = pb - ex * qb > 64.0 * _U * (sp + ex * sq)
-        keep = jnp.where(ok, pb, 0.0)
-        down = jnp.where(ok, 0.0, pb)
+        keep = where(ok, pb, 0.0)
+        down = where(ok, 0.0, pb)
         p = keep + jnp.concatenate([down[1:], jnp.zeros((1,))])
         total = jnp.maximum(jnp.sum(pb), _U)
         bias = off + jnp.sum(down) / total
@@ -365,7 +367,7 @@ def _merged_buckets(kind, params, eps_grid, h, direction, beyond):
             best = (p, bias)
         else:
             better = bias < best[1]
-            best = (jnp.where(better, p, best[0]), jnp.where(better, bias, best[1]))
+            best = (where(better, p, best[0]), where(better, bias, best[1]))
     return best[0], jnp.zeros(()), best[1]
 
 
@@ -382,7 +384,7 @@ def survival_pair(kind, params, eps, direction, probe=False):
     if kind != "sampled_gaussian":
         return None
     q, sigma = params
-    q_s = jnp.where(q > 0, q, 1.0)
+    q_s = where(q > 0, q, 1.0)
     sign = sign_of(direction)
     y, inside = _sgm_y(eps, q_s, sign)
     # Remove: P = (1-q)N(0,1) + qN(μ,1), Q = N(0,1); L > ε ⟺ x > z0 = σy + 1/(2σ):
@@ -395,9 +397,9 @@ def survival_pair(kind, params, eps, direction, probe=False):
     mixed = (1.0 - q_s) * one + q_s * jnp.exp(log_ndtr(other))
     sp, sq = by_direction(sign, mixed, one), by_direction(sign, one, mixed)
     outside = by_direction(sign, 1.0, 0.0)
-    sp, sq = jnp.where(inside, sp, outside), jnp.where(inside, sq, outside)
-    zero = jnp.where(eps < 0, 1.0, 0.0)
-    return jnp.where(q > 0, sp, zero), jnp.where(q > 0, sq, zero)
+    sp, sq = where(inside, sp, outside), where(inside, sq, outside)
+    zero = where(eps < 0, 1.0, 0.0)
+    return where(q > 0, sp, zero), where(q > 0, sq, zero)
 
 
 def safe_log(c):
@@ -407,17 +409,17 @@ def safe_log(c):
     the logarithm; a dead factor with k_c > 0 makes the product 0 (as c**k underflows).
     """
     dead = jnp.abs(c) <= 1e-300
-    return jnp.log(jnp.where(dead, 1.0 + 0.0j, c)), dead
+    return jnp.log(where(dead, 1.0 + 0.0j, c)), dead
 
 
 def lse(logp, x):
     """log Σ_i exp(logp_i + x_i) along the last axis (-inf for no mass; logp may be -inf)."""
-    v = jnp.where(jnp.isfinite(logp), logp + x, -jnp.inf)
+    v = where(jnp.isfinite(logp), logp + x, -jnp.inf)
     m = jax.lax.stop_gradient(jnp.max(v, axis=-1, keepdims=True))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    m = where(jnp.isfinite(m), m, 0.0)
     s = jnp.sum(jnp.exp(v - m), axis=-1)
     pos = s > 0
-    return jnp.where(pos, jnp.log(jnp.where(pos, s, 1.0)) + m[..., 0], -jnp.inf)
+    return where(pos, jnp.log(where(pos, s, 1.0)) + m[..., 0], -jnp.inf)
 
 
 def tilted_fft(parts, counts, lam, a0, n, split=False):
@@ -444,10 +446,10 @@ def tilted_fft(parts, counts, lam, a0, n, split=False):
     big_lam = jnp.zeros(())
     norm_term = jnp.zeros(())
     for (o, grid, p), k in zip(parts, counts):
-        kf = jnp.where(jnp.isfinite(k), k, 0.0)
-        logp = jnp.where(p > 0, jnp.log(jnp.where(p > 0, p, 1.0)), -jnp.inf)
+        kf = where(jnp.isfinite(k), k, 0.0)
+        logp = where(p > 0, jnp.log(where(p > 0, p, 1.0)), -jnp.inf)
         a = lse(logp, lam * grid)
-        pt = jnp.exp(jnp.where(p > 0, logp + lam * grid - a, -jnp.inf))
+        pt = jnp.exp(where(p > 0, logp + lam * grid - a, -jnp.inf))
         log_c, dead_c = safe_log(jnp.fft.rfft(pt))
         log_spec = log_spec + k * log_c
         dead = dead | (dead_c & (k > 0))
@@ -457,7 +459,7 @@ def tilted_fft(parts, counts, lam, a0, n, split=False):
     s = jnp.mod(a0 - offset, n)
     f = jnp.arange(n // 2 + 1, dtype=jnp.float64)
     phase = 2.0 * math.pi * jnp.mod(f * s, n) / n
-    spec = jnp.where(dead, 0.0 + 0.0j, jnp.exp(log_spec + 1j * phase))
+    spec = where(dead, 0.0 + 0.0j, jnp.exp(log_spec + 1j * phase))
     r_t = jnp.fft.irfft(spec, n)
     # The rounding margin carries no derivative (it is a bound on round-off). Its leading
     # factor covers the FFTs (log₂n + 2) and the exponential's evaluation ((C + 3)π + 2)/8 for

@@ -551,3 +551,34 @@ def test_both_directions_trace_one_body():
     closed = jax.make_jaxpr(lambda d: A.epsilon(A.dpsgd_event(0.01, 1.1, 1000), d, accountant="pld",
                                                 grid_size=SMALL))(1e-5)
     assert _count_primitive(closed.jaxpr, "fft") == 2
+
+
+def test_gc_paused_only_during_an_evaluation(monkeypatch):
+    # Session 20: a PLD evaluation runs with Python's cyclic GC paused (its first call's trace
+    # and lowering set off ~80 collections); the GC is on again after it, even when it raises,
+    # and a GC the caller turned off stays off.
+    import gc
+
+    from jaxdp.accounting import _pld
+
+    ev = A.dpsgd_event(0.01, 1.1, 100)
+    assert gc.isenabled()
+    A.epsilon(ev, 1e-5, accountant="pld", grid_size=SMALL)
+    assert gc.isenabled()
+    seen = []
+
+    def boom(*args):
+        seen.append(gc.isenabled())
+        raise RuntimeError("boom")
+
+    with monkeypatch.context() as m:
+        m.setattr(_pld, "_evaluate_jit", boom)
+        with pytest.raises(RuntimeError, match="boom"):
+            A.epsilon(ev, 1e-5, accountant="pld", grid_size=SMALL)
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        A.epsilon(ev, 1e-5, accountant="pld", grid_size=SMALL)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

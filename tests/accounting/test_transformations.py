@@ -471,3 +471,32 @@ def test_vmap_outside_a_jitted_derivative_with_x64_off():
     seen = [_round(x, False) for x in _points("gaussian_hockey_stick")]
     np.testing.assert_allclose(np.asarray(hs, np.float64), [_grad("gaussian_hockey_stick", x) for x in seen],
                                rtol=RTOL_GRAD_X32)
+
+
+def test_numerics_where_against_numpy():
+    """``_numerics.where`` (jnp.where without its jit wrapper, session 20) against NumPy's where:
+    broadcasting, Python numbers, a scalar condition, float32 and float64; under jit and vmap; its
+    gradient against the select's closed form; operands it leaves to jnp.where (ints, weak types)."""
+    from jaxdp._numerics import where
+
+    rng = np.random.default_rng(0)
+    x4, y31 = rng.normal(size=4), rng.normal(size=(3, 1))
+    c34 = rng.normal(size=(3, 4)) > 0
+    cases = [(c34, x4, y31), (c34, x4, 0.5), (c34, -1.0, y31), (np.bool_(True), x4, y31), (x4 > 0, x4, -np.inf)]
+    for dtype in (np.float32, np.float64):
+        with jax.enable_x64(dtype == np.float64):
+            for c, x, y in cases:
+                args = [jnp.asarray(c)] + [v if type(v) is float else jnp.asarray(v, dtype) for v in (x, y)]
+                want = np.where(c, *[v if type(v) is float else np.asarray(v, dtype) for v in (x, y)])
+                for got in (where(*args), jax.jit(where)(*args)):
+                    assert got.dtype == dtype and got.shape == want.shape
+                    np.testing.assert_array_equal(np.asarray(got), want)
+            xs = jnp.asarray(rng.normal(size=(5, 4)), dtype)
+            np.testing.assert_array_equal(np.asarray(jax.vmap(lambda v: where(v > 0, v, 0.0))(xs)),
+                                          np.where(np.asarray(xs) > 0, np.asarray(xs), 0.0))
+            g = jax.grad(lambda v: jnp.sum(where(v > 0, v * v, 3.0 * v)))(xs[0])
+            np.testing.assert_allclose(np.asarray(g), np.where(np.asarray(xs[0]) > 0, 2 * np.asarray(xs[0]), 3.0),
+                                       rtol=1e-6)
+    # Left to jnp.where: integer operands, both Python numbers.
+    np.testing.assert_array_equal(np.asarray(where(jnp.asarray(c34), jnp.arange(4), 7)), np.where(c34, np.arange(4), 7))
+    assert float(where(jnp.asarray(True), 1.0, 2.0)) == 1.0
