@@ -21,14 +21,17 @@ _IMPROVED_MIN_ORDER = 1.01
 
 
 class EpsilonResult(NamedTuple):
-    """ε and the Rényi order that attains it (a pytree: passes through jit and vmap)."""
+    """ε and the Rényi order that attains it (a pytree: passes through jit and vmap).
+
+    ``order`` is the first order whose ε is within 8 ulps of the min (robust to XLA's rounding).
+    """
 
     epsilon: jax.Array
     order: jax.Array
 
 
 class DeltaResult(NamedTuple):
-    """δ and the Rényi order that attains it."""
+    """δ and the Rényi order that attains it (the first whose log δ is within 8 ulps of the min)."""
 
     delta: jax.Array
     order: jax.Array
