@@ -315,6 +315,48 @@ def one_output(*values: jax.Array) -> tuple[jax.Array, ...]:
     return tuple(stacked[i] for i in range(len(values)))
 
 
+# The picks below count a value within this relative margin of the min as attaining it
+# (8 ulps of float64).
+PICK_MARGIN = 2.0**-49
+
+
+def min_and_first(values: jax.Array, axis: int = -1, margin: float = PICK_MARGIN):
+    """``(best, near, first)``: the min over ``axis`` and the entries attaining it, robust to XLA's rounding.
+
+    ``best`` is the plain min of ``values`` (its value exactly ``jnp.min``'s) with the
+    derivative of the first entry attaining it. ``near`` marks, along ``axis``, the entries
+    :math:`v ≤ b + |b|·\\text{margin}` (b = the min; b = ±∞ matches only ±∞), and ``first``
+    the first of them (all False where none is, e.g. a NaN min); both keep ``axis`` with
+    length 1 in ``best``'s place for broadcasting, so they have ``values``' shape.
+
+    Why a margin: a pick written as "the entries equal to the min" compares each value with
+    the reduction's result, but XLA may compute ``values`` once more in the comparison's
+    fusion with other rounding than in the reduction's (on CPU its backend contracted
+    ``a·b + c`` into an FMA in one fusion and not the other, leaving every entry 1 ulp above
+    the min; its CPU pipeline also drops ``jax.lax.optimization_barrier``). The exact pick
+    then matches nothing, and so does ``jnp.min``'s derivative, which divides by the number
+    of entries equal to the min (0/0). With the margin the pick is an entry whose value is
+    the min to 8 ulps; where values tie within 8 ulps, the first of them is picked, not
+    necessarily the exact minimiser (a caller's value is the plain min either way).
+
+    The derivative is taken through a select of the first entry (``jnp.min``'s would
+    multiply every entry's tangent by a 0/1 mask, so a NaN tangent at an infinite entry would
+    poison it); an infinite first entry carries none. Min-reductions, not ``argmin``, whose
+    variadic reduce fails inside the float64 scope under an outer float32 ``jit``.
+    """
+    axis = axis % values.ndim
+    v_sg = jax.lax.stop_gradient(values)
+    best = jnp.min(v_sg, axis=axis, keepdims=True)
+    near = v_sg <= best * jnp.where(best >= 0, 1.0 + margin, 1.0 - margin)
+    shape = [1] * values.ndim
+    shape[axis] = values.shape[axis]
+    pos = jnp.arange(values.shape[axis], dtype=values.dtype).reshape(shape)
+    first = pos == jnp.min(jnp.where(near, pos, jnp.inf), axis=axis, keepdims=True)
+    hit = first & jnp.isfinite(v_sg)
+    best = best + jnp.sum(jnp.where(hit, values - v_sg, 0.0), axis=axis, keepdims=True)  # + 0, carrying the tangent
+    return jnp.squeeze(best, axis), near, first
+
+
 def take(x: jax.Array, indices, axis: int = -1) -> jax.Array:
     """``jnp.take(x, indices, axis)`` for a static integer index array, safe in reverse mode.
 

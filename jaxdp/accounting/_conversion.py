@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _validate
-from .._numerics import f64, float64
+from .._numerics import f64, float64, min_and_first
 from .._program_cache import persistent
 
 __all__ = ["EpsilonResult", "DeltaResult", "rdp_to_epsilon", "rdp_to_delta"]
@@ -21,14 +21,17 @@ _IMPROVED_MIN_ORDER = 1.01
 
 
 class EpsilonResult(NamedTuple):
-    """ε and the Rényi order that attains it (a pytree: passes through jit and vmap)."""
+    """ε and the Rényi order that attains it (a pytree: passes through jit and vmap).
+
+    ``order`` is the first order whose ε is within 8 ulps of the min (robust to XLA's rounding).
+    """
 
     epsilon: jax.Array
     order: jax.Array
 
 
 class DeltaResult(NamedTuple):
-    """δ and the Rényi order that attains it."""
+    """δ and the Rényi order that attains it (the first whose log δ is within 8 ulps of the min)."""
 
     delta: jax.Array
     order: jax.Array
@@ -116,23 +119,14 @@ def improved_per_order(r, orders, delta):
 def _min_and_order(values, orders):
     """(min over the last axis, the first order attaining it), with a safe derivative.
 
-    Written with min-reductions rather than argmin, whose variadic reduce fails inside an
-    x64 scope under an outer float32 jit. The value is the plain min. Its derivative is
-    that of the first minimising entry, picked by a select: the derivative of
-    ``jnp.min`` would instead multiply every entry's tangent by a 0/1 mask (so a NaN
-    tangent of an order where the value is +inf would poison the result) and divide by
-    the number of entries equal to the min (0/0 if XLA recomputed ``values`` with other
-    rounding in another fusion; the barrier keeps one materialised copy).
+    NaN counts as +∞. The value is the plain min, with the derivative of the first order
+    attaining it; an order whose value is within 8 ulps of the min counts as attaining it
+    (:func:`jaxdp._numerics.min_and_first`: XLA may recompute ``values`` with other rounding
+    for the comparison, where an exact pick matched no order, reported order 0 and a zero
+    derivative). At a tie within 8 ulps the reported order is the first of the tied ones.
     """
-    v = jax.lax.optimization_barrier(jnp.where(jnp.isnan(values), jnp.inf, values))
-    v_sg = jax.lax.stop_gradient(v)
-    best = jnp.min(v_sg, axis=-1)
-    pos = jnp.arange(v.shape[-1], dtype=jnp.float64)
-    first = jnp.min(jnp.where(v_sg == best[..., None], pos, jnp.inf), axis=-1)
-    hit = (pos == first[..., None]) & jnp.isfinite(v_sg)
-    best = best + jnp.sum(jnp.where(hit, v - v_sg, 0.0), axis=-1)  # + 0, carrying the tangent
-    order = jnp.sum(jnp.where(pos == first[..., None], orders, 0.0), axis=-1)
-    return best, order
+    best, _, first = min_and_first(jnp.where(jnp.isnan(values), jnp.inf, values), axis=-1)
+    return best, jnp.sum(jnp.where(first, orders, 0.0), axis=-1)
 
 
 @float64

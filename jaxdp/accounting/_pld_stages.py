@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._numerics import f64
+from .._numerics import f64, min_and_first
 from ._pld_curves import curve, lse, masses, tilted_fft
 
 _U = float(np.finfo(np.float64).eps)
@@ -144,8 +144,8 @@ def block_plan(kinds, params, stats, thetas, counts, ranges, plans, span_c, n) -
             r = jnp.maximum(jnp.floor(n * h2 / (w1 + h2)), 1.0)
             e_d = e_d + kf * (h2 / r) ** 2 + jnp.minimum(big_m, kf) * h2**2
         err = jnp.maximum(err, e_d)
-    best = jnp.min(err)
-    sel = big_m == jnp.min(jnp.where(err <= best, big_m, jnp.inf))  # the smallest m at the minimum
+    # The smallest m at the minimum (big_m ascending: the first; within 8 ulps, see min_and_first).
+    sel = min_and_first(err)[2]
     pick = lambda x: jnp.sum(jnp.where(sel, x, 0.0))  # noqa: E731
     h2_s = pick(h2)
     windows = {}

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _validate
-from .._numerics import f64, float64
+from .._numerics import f64, float64, min_and_first
 from ._conversion import rdp_to_epsilon
 from ._rdp import DEFAULT_ORDERS, _sgm_rdp, _plan
 from ._pnsgd_shuffle import event_epsilon as shuffle_epsilon
@@ -75,30 +75,16 @@ def _step_rdp(orders_np, q, nu, num_records, max_batch_size):
     return _tp_rdp(orders_np, q, f64(float(num_records)), f64(float(max_batch_size)), nu)
 
 
-# The picks of the best θ accept the costs within this relative margin of their min (8 ulps).
-_PICK_MARGIN = 2.0**-49
-
-
 def _min_over_splits(cost, tau):
     """(min over θ of the cost, the smallest τ among the θ attaining it), robust to XLA's rounding.
 
-    The value is the plain min. The picks compare each cost with that min, but XLA may compute
-    the cost once more in the comparison's fusion, with other rounding than in the reduction's
-    (on CPU the backend contracted τS + c/τ into an FMA in one of the two fusions and not in
-    the other: every cost 1 ulp above the min, τ = +inf, and 0/0 in ``jnp.min``'s derivative,
-    which divides by the number of entries equal to the min; XLA's CPU pipeline drops an
-    ``optimization_barrier``). So a cost within :data:`_PICK_MARGIN` of the min counts as
-    attaining it: τ is the smallest such τ (its cost is the min to 8 ulps), and the derivative
-    is the first such θ's (as :func:`jaxdp.accounting.rdp_to_epsilon` carries the order's).
+    The value is the plain min, with the first attaining θ's derivative; a cost within 8 ulps
+    of the min counts as attaining it (:func:`jaxdp._numerics.min_and_first`: XLA may
+    recompute the costs with other rounding for the comparison, and an exact pick then left
+    τ = +inf). τ is the smallest τ among those θ (its cost is the min to 8 ulps).
     """
-    c_sg = jax.lax.stop_gradient(cost)
-    best = jnp.min(c_sg, axis=-2)
-    near = c_sg <= best[..., None, :] * (1.0 + _PICK_MARGIN)
-    tau_best = jnp.min(jnp.where(near, tau, jnp.inf), axis=-2)
-    pos = jnp.arange(cost.shape[-2], dtype=cost.dtype)[:, None]
-    first = jnp.min(jnp.where(near, pos, jnp.inf), axis=-2)
-    hit = (pos == first[..., None, :]) & jnp.isfinite(c_sg)
-    return best + jnp.sum(jnp.where(hit, cost - c_sg, 0.0), axis=-2), tau_best  # + 0, carrying the tangent
+    best, near, _ = min_and_first(cost, axis=-2)
+    return best, jnp.min(jnp.where(near, tau, jnp.inf), axis=-2)
 
 
 def _core(orders_np, splits_np, q, lip, beta, eta, sig, dia, b, steps, num_records, max_batch_size):
