@@ -320,6 +320,15 @@ def one_output(*values: jax.Array) -> tuple[jax.Array, ...]:
 PICK_MARGIN = 2.0**-49
 
 
+def at_min(values: jax.Array, best: jax.Array, margin: float = PICK_MARGIN) -> jax.Array:
+    """The entries of ``values`` that attain their min ``best`` (broadcast): :math:`v ≤ b + |b|·\text{margin}`.
+
+    The tolerant form of ``values <= best`` for picks by the minimum (why: see
+    :func:`min_and_first`); b = ±∞ matches only ±∞, and a NaN min matches nothing.
+    """
+    return values <= best * jnp.where(best >= 0, 1.0 + margin, 1.0 - margin)
+
+
 def min_and_first(values: jax.Array, axis: int = -1, margin: float = PICK_MARGIN):
     """``(best, near, first)``: the min over ``axis`` and the entries attaining it, robust to XLA's rounding.
 
@@ -347,7 +356,7 @@ def min_and_first(values: jax.Array, axis: int = -1, margin: float = PICK_MARGIN
     axis = axis % values.ndim
     v_sg = jax.lax.stop_gradient(values)
     best = jnp.min(v_sg, axis=axis, keepdims=True)
-    near = v_sg <= best * jnp.where(best >= 0, 1.0 + margin, 1.0 - margin)
+    near = at_min(v_sg, best, margin)
     shape = [1] * values.ndim
     shape[axis] = values.shape[axis]
     pos = jnp.arange(values.shape[axis], dtype=values.dtype).reshape(shape)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._numerics import f64, where
+from .._numerics import at_min, f64, where
 from ._pld_curves import by_direction, directions, lse, masses, sign_of, tilted_fft
 from ._pld_stages import block_plan, blocks
 
@@ -239,7 +239,7 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
         else:
             obj = lam_mgf - thetas * query
         best = jnp.min(obj)
-        lam = jnp.max(where(obj <= best, thetas, 0.0))  # (no argmin, see epsilon_read)
+        lam = jnp.max(where(at_min(obj, best), thetas, 0.0))  # (no argmin, see epsilon_read)
         # The round-off's reference loss: the Chernoff point (above the answer), or ε itself.
         ref = best if what == "epsilon" else query
         if what == "delta":
@@ -262,7 +262,7 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
         # Top: the Chernoff point at δ·η (mass above it is certified and negligible).
         top_obj = (lam_mgf - (log_dt + math.log(_ETA))) / thetas
         top = jnp.min(top_obj)
-        th_top = jnp.max(where(top_obj <= top, thetas, 0.0))
+        th_top = jnp.max(where(at_min(top_obj, top), thetas, 0.0))
         top_old, th_top_old = top, th_top
         if what == "epsilon":
             centre = best - jnp.log(jnp.maximum(lam * s * math.sqrt(2.0 * math.pi), 1.0)) / lam
@@ -292,7 +292,7 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
             top_obj = (top_mgf - (log_dt + math.log(_ETA))) / thetas
             top_s = jnp.min(top_obj)
             top = where(sharp_d, top_s, top_old)
-            th_top = where(sharp_d, jnp.max(where(top_obj <= top_s, thetas, 0.0)), th_top_old)
+            th_top = where(sharp_d, jnp.max(where(at_min(top_obj, top_s), thetas, 0.0)), th_top_old)
             span_p = where(sharp_d, span_f, span_s)
         if smooth:
             # The window [top - W, top] and the tilt λ: of a ladder of extensions W below
@@ -338,7 +338,7 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
             e_idx = f64(np.arange(len(_EXTEND)))
             # (No argmin: its variadic reduction breaks reverse mode outside the float64 scope.)
             least = jnp.min(total)
-            hit = total <= least
+            hit = at_min(total, least)
             e_star = jnp.min(where(jnp.any(hit, axis=1), e_idx, 1e9))
             # Where every estimate is +inf or NaN, the Chernoff plan: the answer's tilt and the
             # narrowest window whose fold from below fits (only less tight, never invalid).
