@@ -321,7 +321,7 @@ PICK_MARGIN = 2.0**-49
 
 
 def at_min(values: jax.Array, best: jax.Array, margin: float = PICK_MARGIN) -> jax.Array:
-    """The entries of ``values`` that attain their min ``best`` (broadcast): :math:`v ≤ b + |b|·\text{margin}`.
+    """The entries of ``values`` that attain their min ``best`` (broadcast): :math:`v ≤ b + |b|·\\text{margin}`.
 
     The tolerant form of ``values <= best`` for picks by the minimum (why: see
     :func:`min_and_first`); b = ±∞ matches only ±∞, and a NaN min matches nothing.

@@ -150,6 +150,13 @@ def _between_rungs(thetas, *mgfs):
     return tuple(jnp.concatenate([o, x[-1:]]) for o, x in zip(out, (thetas,) + mgfs))
 
 
+def _min_and_theta(obj, thetas):
+    """(min of ``obj`` over the θ ladder, the largest θ attaining it): within 8 ulps (see
+    :func:`jaxdp._numerics.at_min`), and no argmin (see :func:`epsilon_read`)."""
+    best = jnp.min(obj)
+    return best, jnp.max(where(at_min(obj, best), thetas, 0.0))
+
+
 def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=True, sharp=False):
     """The grid spacing, and per direction the tilt λ and the window's top (all estimates).
 
@@ -238,8 +245,7 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
             obj = (lam_mgf - log_dt) / thetas
         else:
             obj = lam_mgf - thetas * query
-        best = jnp.min(obj)
-        lam = jnp.max(where(at_min(obj, best), thetas, 0.0))  # (no argmin, see epsilon_read)
+        best, lam = _min_and_theta(obj, thetas)
         # The round-off's reference loss: the Chernoff point (above the answer), or ε itself.
         ref = best if what == "epsilon" else query
         if what == "delta":
@@ -261,8 +267,7 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
         s = jnp.sqrt(jnp.maximum(var, 0.0))
         # Top: the Chernoff point at δ·η (mass above it is certified and negligible).
         top_obj = (lam_mgf - (log_dt + math.log(_ETA))) / thetas
-        top = jnp.min(top_obj)
-        th_top = jnp.max(where(at_min(top_obj, top), thetas, 0.0))
+        top, th_top = _min_and_theta(top_obj, thetas)
         top_old, th_top_old = top, th_top
         if what == "epsilon":
             centre = best - jnp.log(jnp.maximum(lam * s * math.sqrt(2.0 * math.pi), 1.0)) / lam
@@ -290,9 +295,9 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
         if sharp and smooth:
             sharp_d = log_m_of(jnp.maximum(span_s, top_old - bottom) / (n - 2)) <= log_dt - _SHARP_LOG
             top_obj = (top_mgf - (log_dt + math.log(_ETA))) / thetas
-            top_s = jnp.min(top_obj)
+            top_s, th_top_s = _min_and_theta(top_obj, thetas)
             top = where(sharp_d, top_s, top_old)
-            th_top = where(sharp_d, jnp.max(where(at_min(top_obj, top_s), thetas, 0.0)), th_top_old)
+            th_top = where(sharp_d, th_top_s, th_top_old)
             span_p = where(sharp_d, span_f, span_s)
         if smooth:
             # The window [top - W, top] and the tilt λ: of a ladder of extensions W below
