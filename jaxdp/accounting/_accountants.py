@@ -458,7 +458,7 @@ def epsilon(event: Event, delta, *, orders=DEFAULT_ORDERS, accountant: str = "rd
         ``"pld"`` accountant does not use them).
       accountant: a registered accountant name (static): ``"rdp"`` (default), ``"pld"``,
         or one added by :func:`register_accountant`.
-      grid_size: ``"pld"`` only: static number of loss bins, a power of two (default
+      grid_size: ``"pld"`` only: static number of loss bins, a power of two or three times one (default
         :data:`PLD_GRID_SIZE` = 2^14); the upper bound's error shrinks like 1/n², time
         grows like n log n.
       tail_bound: ``"pld"`` only: static cap on the mass the plan leaves outside the grid

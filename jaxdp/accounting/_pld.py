@@ -205,12 +205,19 @@ def _valid(kind, params):
 # =======================================================================================
 
 
+def _grid_ok(n):
+    """n = 2^a or 3·2^a: the sizes whose FFT round-off the certificate bounds (_pld_curves.fft_passes)."""
+    m = n // 3 if n % 3 == 0 else n
+    return m & (m - 1) == 0
+
+
 def _check_options(grid_size, tail_bound, estimate, stages=PLD_STAGES):
     if isinstance(stages, bool) or stages not in _STAGES:
         raise ValueError(f"stages must be 1 or 2 (static); got {stages!r}.")
     if isinstance(grid_size, bool) or not isinstance(grid_size, (int, np.integer)) or grid_size < 64 \
-            or grid_size > 2**24 or (grid_size & (grid_size - 1)):
-        raise ValueError(f"grid_size must be a power of two in [64, 2^24] (static); got {grid_size!r}.")
+            or grid_size > 2**24 or not _grid_ok(int(grid_size)):
+        raise ValueError("grid_size must be a power of two or three times one (e.g. 16384, 24576), "
+                         f"in [64, 2^24] (static); got {grid_size!r}.")
     if not (isinstance(tail_bound, (int, float)) and 0.0 < tail_bound < 1e-3):
         raise ValueError(f"tail_bound must be a float in (0, 1e-3) (static); got {tail_bound!r}.")
     _validate.check_static_choice("estimate", estimate, _ESTIMATES)
@@ -369,7 +376,7 @@ def pld_epsilon(event, delta, *, grid_size: int = PLD_GRID_SIZE, tail_bound: flo
         ``PoissonSampled(q, Gaussian(...))`` (add/remove-one), ``SelfComposed`` and
         ``Composed`` (a batch if its leaves have leading axes).
       delta: target δ in (0, 1), broadcast against the batch.
-      grid_size: static number of loss bins n (a power of two, default 2^14 = 16384): the
+      grid_size: static number of loss bins n (a power of two or three times one, default 2^14 = 16384): the
         error of the upper bound shrinks like 1/n², time grows like n log n.
       tail_bound: static cap on the mass the grid plan leaves outside the window and above
         each mechanism's grid (default 1e-6; the plan uses min(tail_bound, 1e-4·δ)); the

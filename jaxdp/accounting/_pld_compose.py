@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._numerics import at_min, f64, where
-from ._pld_curves import by_direction, directions, lse, masses, sign_of, tilted_fft
+from ._pld_curves import by_direction, directions, fft_passes, lse, masses, sign_of, tilted_fft
 from ._pld_stages import block_plan, blocks
 
 _U = float(np.finfo(np.float64).eps)
@@ -209,7 +209,7 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
     # (``objective=False``: the s12 plan, kept for the two-stage composition, whose block plan
     # was tuned on it.)
     smooth = objective and all(kd in _SMOOTH for kd in kinds)
-    log_m_worst = math.log(8.0 * _U * (math.log2(n) + 2.0) * (math.sqrt(2.0 * n) + 1.0) + 4.0 * n * _U) + jnp.log1p(k_tot)
+    log_m_worst = math.log(8.0 * _U * (fft_passes(n) + 2.0) * (math.sqrt(2.0 * n) + 1.0) + 4.0 * n * _U) + jnp.log1p(k_tot)
 
     def per_direction(d, rng, log_dt, tops_d):
         """The plan of one direction (``d`` a string or a traced sign, ``rng`` its mechanisms' ranges)."""
@@ -278,13 +278,13 @@ def _plan(kinds, params, counts, direction_list, query, what, tau, n, objective=
         lam0 = lam
 
         def log_m_of(h_c):
-            # The round-off bound m of tilted_fft, estimated: 8u(log₂n + 2)(1 + Σ_c k_c‖p̃_c‖₂)
-            # (‖Ĉ‖₂ + 1) + 4nu, the steps' norms from the coarse pass (at least the fine grid's),
+            # The round-off bound m of tilted_fft, estimated: 8u(P + 2)(1 + Σ_c k_c‖p̃_c‖₂)
+            # (‖Ĉ‖₂ + 1) + 4nu (P = fft_passes(n)), the steps' norms from the coarse pass (at least the fine grid's),
             # ‖Ĉ‖₂² ≈ 2n‖C‖₂², ‖C‖₂² ≤ min_c ‖p̃_c‖₂² (Young) and about h/(2√π s) for a smooth
             # composed law of spread s (Gaussian and Poisson-sampled Gaussian compositions).
             c2 = jnp.minimum(young, jnp.maximum(h_c / (2.0 * math.sqrt(math.pi) * jnp.maximum(s, _TINY)),
                                                 young / k_tot))
-            return jnp.log(8.0 * _U * (math.log2(n) + 2.0) * (1.0 + norm_sum) * (jnp.sqrt(2.0 * n * c2) + 1.0)
+            return jnp.log(8.0 * _U * (fft_passes(n) + 2.0) * (1.0 + norm_sum) * (jnp.sqrt(2.0 * n * c2) + 1.0)
                            + 4.0 * n * _U)
 
         # The sharp tops (see the docstring) where round-off is estimated far below δ: there the
@@ -547,9 +547,9 @@ def compose(kinds, params, counts, n, tau, estimate, query, what, stages=1, read
         for k, (o, grid, p, *_) in zip(counts_s, mech):
             kf = where(jnp.isfinite(k), k, 0.0)
             logp = where(p > 0, jnp.log(where(p > 0, p, 1.0)), -jnp.inf)
-            log_mgf = log_mgf + kf * lse(logp[None, :], thetas[:, None] * grid[None, :])
+            log_mgf = log_mgf + kf * lse(logp, grid, thetas)
             if estimate == "lower":
-                neg_mgf = neg_mgf + kf * lse(logp[None, :], -thetas[:, None] * grid[None, :])
+                neg_mgf = neg_mgf + kf * lse(logp, grid, -thetas)
         top = (a0 + n) * h  # smallest loss above the window
         log_scale = big_lam - lam * losses
         if estimate == "upper":
@@ -651,7 +651,7 @@ def _tail_sums(r, h):
     large, which is the safe side for the upper bound (the lower bound is refused there).
     """
     n = r.shape[0]
-    m = min(_BLOCK, n)
+    m = math.gcd(_BLOCK, n)  # divides n (a power of two or three times one)
     nb = n // m
     k = jnp.arange(m, dtype=jnp.float64)
     rb = r.reshape(nb, m)

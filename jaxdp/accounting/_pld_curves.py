@@ -412,14 +412,54 @@ def safe_log(c):
     return jnp.log(where(dead, 1.0 + 0.0j, c)), dead
 
 
-def lse(logp, x):
-    """log Σ_i exp(logp_i + x_i) along the last axis (-inf for no mass; logp may be -inf)."""
+_ROW = 8192
+
+
+def _blocks(a):
+    """``a`` with its last axis split into blocks of 8,192 where it is longer than 16,384 (else as is)."""
+    n = a.shape[-1]
+    return a if n <= 2 * _ROW or n % _ROW else a.reshape(a.shape[:-1] + (n // _ROW, _ROW))
+
+
+def _reduce(f, v, blocked):
+    """f (``jnp.sum`` or ``jnp.max``) along the last axis, or of the blocks' results: XLA's CPU
+    exp-and-reduce costs ~7× more per entry on rows longer than 16,384 (the barrier keeps the two
+    reductions apart)."""
+    r = f(v, axis=-1)
+    return f(jax.lax.optimization_barrier(r), axis=-1) if blocked else r
+
+
+def lse(logp, x, theta=None):
+    """log Σ_i exp(logp_i + x_i) along the last axis (-inf for no mass; logp may be -inf).
+
+    With ``theta`` (shape (m,)), x is a grid of shape (n,) and the result is the m sums of
+    logp_i + θ_j x_i."""
+    blocked = _blocks(logp).ndim > logp.ndim
+    if blocked:
+        logp = _blocks(logp)
+        x = _blocks(x) if jnp.ndim(x) else x
+    if theta is not None:
+        shape = theta.shape + (1,) * x.ndim
+        x = theta.reshape(shape) * x
     v = where(jnp.isfinite(logp), logp + x, -jnp.inf)
-    m = jax.lax.stop_gradient(jnp.max(v, axis=-1, keepdims=True))
+    m = jax.lax.stop_gradient(_reduce(jnp.max, v, blocked))
     m = where(jnp.isfinite(m), m, 0.0)
-    s = jnp.sum(jnp.exp(v - m), axis=-1)
+    mb = m[..., None, None] if blocked else m[..., None]
+    s = _reduce(jnp.sum, jnp.exp(v - mb), blocked)
     pos = s > 0
-    return where(pos, jnp.log(where(pos, s, 1.0)) + m[..., 0], -jnp.inf)
+    return where(pos, jnp.log(where(pos, s, 1.0)) + m, -jnp.inf)
+
+
+def fft_passes(n):
+    r"""The round-off bound's count of radix-2 passes for an FFT of n = 2^a or 3·2^a points: a, or a + 3.
+
+    Higham 2002 (Theorem 24.2) bounds a radix-2 FFT's normwise relative error by
+    :math:`\log_2 n·η`, one η per pass. A radix-3 pass counts as three: each of its outputs is
+    a three-term sum of twiddled inputs with at most three more roundings than a radix-2
+    output, and its entrywise absolute matrix has 2-norm 3 = √3 times its own, so its error is
+    at most √3(3u + η) ≤ 3η (η ≥ 4√2u); docs/pld.md, "Round-off".
+    """
+    return math.log2(n) if n & (n - 1) == 0 else math.log2(n // 3) + 3.0
 
 
 def tilted_fft(parts, counts, lam, a0, n, split=False):
@@ -430,7 +470,7 @@ def tilted_fft(parts, counts, lam, a0, n, split=False):
     :math:`a = \log\sum_i p_i e^{λℓ_i}` (a distribution again), transformed, raised to its
     count and multiplied; one ``irfft`` gives the circular convolution, rolled by a phase so
     that entry j is bin a0 + j (an elementwise product; (f·s) mod n is exact in float64 for
-    n ≤ 2^26). Untilted, bin ℓ holds :math:`\tilde r_ℓ e^{Λ - λℓ}`, Λ = Σ_c k_c a_c.
+    n ≤ 2^26). n is a power of two or three times one. Untilted, bin ℓ holds :math:`\tilde r_ℓ e^{Λ - λℓ}`, Λ = Σ_c k_c a_c.
 
     Returns:
       (the tilted circular result r̃, the round-off bound m on each of its bins (Higham 2002
@@ -462,11 +502,11 @@ def tilted_fft(parts, counts, lam, a0, n, split=False):
     spec = where(dead, 0.0 + 0.0j, jnp.exp(log_spec + 1j * phase))
     r_t = jnp.fft.irfft(spec, n)
     # The rounding margin carries no derivative (it is a bound on round-off). Its leading
-    # factor covers the FFTs (log₂n + 2) and the exponential's evaluation ((C + 3)π + 2)/8 for
+    # factor covers the FFTs (fft_passes(n) + 2: log₂n for a power of two) and the exponential's evaluation ((C + 3)π + 2)/8 for
     # C mechanisms; the first is the larger for C ≤ 16 at every grid size (docs/pld.md "Round-off").
     spec_abs2 = jax.lax.stop_gradient(jnp.real(spec) ** 2 + jnp.imag(spec) ** 2)
     spec_norm = jnp.sqrt(2.0 * jnp.sum(spec_abs2))
-    lead = max(math.log2(n) + 2.0, ((len(parts) + 3) * math.pi + 2.0) / 8.0)
+    lead = max(fft_passes(n) + 2.0, ((len(parts) + 3) * math.pi + 2.0) / 8.0)
     norm_wise = 8.0 * _U * lead * (1.0 + norm_term) * (spec_norm + 1.0)
     per_bin = 4.0 * n * _U
     if split:
