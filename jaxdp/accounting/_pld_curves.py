@@ -408,8 +408,11 @@ def safe_log(c):
     ``exp(Σ_c k_c Log c_c)`` is Π_c c_c^{k_c} exactly for integer counts, whatever branch of
     the logarithm; a dead factor with k_c > 0 makes the product 0 (as c**k underflows).
     """
-    dead = jnp.abs(c) <= 1e-300
-    return jnp.log(where(dead, 1.0 + 0.0j, c)), dead
+    mod = jnp.abs(c)
+    dead = mod <= 1e-300
+    log_mod = jnp.log(where(dead, 1.0, mod))
+    arg = jnp.arctan2(where(dead, 0.0, jnp.imag(c)), where(dead, 1.0, jnp.real(c)))
+    return jax.lax.complex(log_mod, arg), dead
 
 
 _ROW = 8192

@@ -609,3 +609,20 @@ def test_fft_roundoff_per_pass_at_powers_of_two_and_three_times_one(n):
         norm_r = np.linalg.norm(circ * 2.0**-80)
         assert err <= 0.5 * u * norm_r * fft_passes(n), (n, err / (u * norm_r * fft_passes(n)))
     assert fft_passes(2**14) == 14 and fft_passes(3 * 2**13) == 16
+
+
+def test_spectrum_log_within_the_round_off_constants():
+    """Log X of the tilted FFT (log|X| + i·atan2) against mpmath: the constants docs/pld.md's
+    bound assumes are a real part within 2u(1 + |log|X||) and an argument within 2πu."""
+    from jaxdp.accounting._pld_curves import safe_log
+
+    u = 2.0**-52
+    rng = np.random.default_rng(3)
+    mod = np.concatenate([1 - 10 ** rng.uniform(-17, -1, 1000), 10 ** rng.uniform(-290, 0, 1000)])
+    c = mod * np.exp(1j * rng.uniform(-np.pi, np.pi, 2000))
+    with jax.enable_x64(True):
+        ours = np.asarray(jax.jit(lambda c: safe_log(c)[0])(jnp.asarray(c)))
+    for ci, oi in zip(c, ours):
+        ref = mpmath.log(mpmath.mpc(ci.real, ci.imag))
+        assert abs(float(ref.real - oi.real)) <= 2 * u * (1 + abs(float(ref.real))), (ci, oi, ref)
+        assert abs(float(ref.imag - oi.imag)) <= 2 * math.pi * u, (ci, oi, ref)
