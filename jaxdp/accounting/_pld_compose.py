@@ -689,6 +689,93 @@ def _tail_sums(r, h):
     return s_incl - r, d
 
 
+def _first_below(r, e, h, x, target):
+    """The first bin j from which the curve δ(ε_j) = X_j + S_j - D_j stays ≤ target, and the sums
+    S_j + r_j, D_j + r_j, ε_j, X_j there (every bin evaluated: the lower bound's curve need not be
+    monotone)."""
+    n = r.shape[0]
+    s_next, d_next = _tail_sums(r, h)
+    d_at = x + s_next - d_next  # δ at ε = ε_j
+    # The first bin from which the curve stays ≤ target (the lower bound's curve need not be
+    # monotone; the true δ is, so δ(ε) ≥ the lower curve at every ε' ≥ ε): the bin after the
+    # last one above it, n if none. (A max over the indices: the reversed cumsum it replaces
+    # became a tree of reduce-window kernels in XLA's CPU compile.)
+    idx = jnp.arange(n, dtype=jnp.float64)
+    first = jnp.max(where(d_at > target, idx, -1.0)) + 1.0
+    # S and T e^{ε_j} over i ≥ j: S_j = s_next_j + r_j, D'_j = d_next_j + r_j; picked at j = first
+    # in one reduction (a sum with one nonzero term, exact; no argmax or gather: its variadic
+    # reduction broke reverse mode outside the float64 scope).
+    cols = [s_next + r, d_next + r, e] + ([x] if jnp.ndim(x) else [])
+    picked = jnp.sum(where(idx == first, jnp.stack(cols), 0.0), axis=1)
+    return first, picked[0], picked[1], picked[2], (picked[3] if jnp.ndim(x) else x)
+
+
+def _first_below_blocked(r, e, h, x, target):
+    """:func:`_first_below` for the upper bound's curve, in two levels.
+
+    The upper curve is X_j + S_j - D_j with S_j - D_j = Σ_{i>j} r_i(1 - e^{-(i-j)h}) nonincreasing
+    in j, so max_{j in block} X_j + (S - D) at the block's first bin is above every bin of a block
+    (of b = gcd(256, n) bins): no bin after the last block where that exceeds the target does.
+    The curve is evaluated at the n/b block starts (block sums and a short scan), then at the b
+    bins of that block only; if none of them is above the target (possible only where X rises
+    within the block), the answer is taken from the block's first bin, which is larger: the safe
+    side. The same sums as :func:`_tail_sums` (in another order: last bits), without its
+    per-bin passes.
+    """
+    n = r.shape[0]
+    m = math.gcd(_BLOCK, n)
+    nb = n // m
+    k = jnp.arange(m, dtype=jnp.float64)
+    rb = r.reshape(nb, m)
+    # From each block's first bin on: S'_b = Σ_{i≥j0} r_i and D'_b = Σ_{i≥j0} r_i e^{-(i-j0)h}.
+    decay_k = jnp.exp(-jnp.minimum(k * h, 700.0))
+    decay = jnp.exp(-jnp.minimum(m * h, 700.0))
+
+    def step(carry, xs):
+        s_c, d_c = carry
+        tot, wsum = xs
+        out = (tot + s_c, wsum + decay * d_c)
+        return out, out
+
+    zero = jnp.zeros((), dtype=r.dtype)
+    _, (s_from, d_from) = jax.lax.scan(step, (zero, zero), (jnp.sum(rb, axis=1), jnp.sum(rb * decay_k, axis=1)),
+                                       reverse=True)
+    x_all = jnp.broadcast_to(x, (n,))
+    r0 = rb[:, 0]
+    # Above every bin of block b: the largest X in it plus S - D at its first bin (S_j - D_j falls
+    # with j; X_j falls too when λ ≥ 0, and is taken at its largest otherwise).
+    d_blk = jnp.max(x_all.reshape(nb, m), axis=1) + (s_from - r0) - (d_from - r0)
+    b_star = jnp.max(where(d_blk > target, jnp.arange(nb, dtype=jnp.float64), -1.0))
+    b0 = jnp.maximum(b_star, 0.0)
+    start = (b0 * m).astype(jnp.int32)
+    # The block's bins, the next block's first bin, and what lies beyond (0 past the window).
+    s_ext, d_ext = (jnp.concatenate([a, jnp.zeros((1,), dtype=r.dtype)]) for a in (s_from, d_from))
+    nxt = jnp.minimum(b0 + 1.0, float(nb))
+    pick_b = jnp.arange(nb + 1, dtype=jnp.float64) == nxt
+    after_s = jnp.sum(where(pick_b, s_ext, 0.0))  # Σ_{i≥j0'} r_i
+    after_d = jnp.sum(where(pick_b, d_ext, 0.0))  # Σ_{i≥j0'} r_i e^{-(i-j0')h}
+    seg = jax.lax.dynamic_slice(jnp.concatenate([r, jnp.zeros((1,), dtype=r.dtype)]), (start,), (m + 1,))
+    x_seg = jax.lax.dynamic_slice(jnp.concatenate([x_all, x_all[-1:]]), (start,), (m + 1,))
+    e_seg = jax.lax.dynamic_slice(jnp.concatenate([e, e[-1:] + h]), (start,), (m + 1,))
+    blk = seg[:m]
+    down = jnp.exp(-jnp.minimum((k + 1.0) * h, 700.0))
+    up = jnp.exp(jnp.minimum(k * h, 700.0))
+    u = blk * down
+    inner = (jnp.cumsum(u[::-1])[::-1] - u) * (up * jnp.exp(jnp.minimum(h, 700.0)))
+    outer = after_d * jnp.exp(-jnp.minimum((m - k) * h, 700.0))
+    s_next = jnp.cumsum(blk[::-1])[::-1] - blk + after_s
+    d_next = inner + outer
+    d_at = x_seg[:m] + s_next - d_next
+    t_star = jnp.max(where(d_at > target, k, -1.0)) + 1.0  # in [0, m]
+    first = start.astype(jnp.float64) + t_star
+    # S_j + r_j and D_j + r_j at j = first (the next block's first bin when t_star = m).
+    s_inc = jnp.concatenate([s_next + blk, after_s[None]])
+    d_inc = jnp.concatenate([d_next + blk, after_d[None]])
+    idx = jnp.arange(m + 1, dtype=jnp.float64)
+    picked = jnp.sum(where(idx == t_star, jnp.stack([s_inc, d_inc, e_seg, x_seg]), 0.0), axis=1)
+    return first, picked[0], picked[1], picked[2], picked[3]
+
+
 def epsilon_read(c: Composed, target, estimate="upper"):
     """Smallest ε ≥ 0 with δ(ε) ≤ target on the discrete curve (+inf if none on the grid).
 
@@ -703,27 +790,16 @@ def epsilon_read(c: Composed, target, estimate="upper"):
     r, e = c.probs, c.losses
     n = r.shape[0]
     h = e[1] - e[0]
-    s_next, d_next = _tail_sums(r, h)
     # The constant part of the curve on (ε_{j-1}, ε_j] (the lower bound's fold-down bound is
     # taken at ε_{j-1}, its largest value there).
     x = c.extra if c.fold is None else c.extra - c.fold(e - h)
     if c.l2 is not None:  # on (ε_{j-1}, ε_j] the normwise round-off over the bins i ≥ j
         x = x + c.l2
-    d_at = x + s_next - d_next  # δ at ε = ε_j
-    # The first bin from which the curve stays ≤ target (the lower bound's curve need not be
-    # monotone; the true δ is, so δ(ε) ≥ the lower curve at every ε' ≥ ε): the bin after the
-    # last one above it, n if none. (A max over the indices: the reversed cumsum it replaces
-    # became a tree of reduce-window kernels in XLA's CPU compile.)
-    idx = jnp.arange(n, dtype=jnp.float64)
-    first = jnp.max(where(d_at > target, idx, -1.0)) + 1.0
+    if estimate == "upper":
+        first, s_star, dd_star, e_star, x_star = _first_below_blocked(r, e, h, x, target)
+    else:
+        first, s_star, dd_star, e_star, x_star = _first_below(r, e, h, x, target)
     any_ok = first < n
-    # S and T e^{ε_j} over i ≥ j: S_j = s_next_j + r_j, D'_j = d_next_j + r_j; picked at j = first
-    # in one reduction (a sum with one nonzero term, exact; no argmax or gather: its variadic
-    # reduction broke reverse mode outside the float64 scope).
-    cols = [s_next + r, d_next + r, e] + ([x] if jnp.ndim(x) else [])
-    picked = jnp.sum(where(idx == first, jnp.stack(cols), 0.0), axis=1)
-    s_star, dd_star, e_star = picked[0], picked[1], picked[2]
-    x_star = picked[3] if jnp.ndim(x) else x
     num = x_star + s_star - target
     pos = (num > 0) & (dd_star > 0)
     # X + S - e^{ε - ε_j} D' = target  ⇒  ε = ε_j + log((X + S - target)/D').
