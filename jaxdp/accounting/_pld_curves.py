@@ -453,6 +453,17 @@ def lse(logp, x, theta=None):
     return where(pos, jnp.log(where(pos, s, 1.0)) + m, -jnp.inf)
 
 
+def _mod_exact(x, n):
+    """x mod n for integer-valued float64 0 ≤ x < 2^53 and integer n ≤ 2^24, exactly.
+
+    x - n·⌊x/n⌋ is exact (integers below 2^53); ⌊fl(x/n)⌋ may be one too large where x/n lies
+    just below an integer, hence the correction. ~40× cheaper than ``jnp.mod`` (a libm fmod) on
+    XLA's CPU; the same value.
+    """
+    rem = x - n * jnp.floor(x / n)
+    return where(rem < 0.0, rem + n, rem)
+
+
 def fft_passes(n):
     r"""The round-off bound's count of radix-2 passes for an FFT of n = 2^a or 3·2^a points: a, or a + 3.
 
@@ -501,7 +512,7 @@ def tilted_fft(parts, counts, lam, a0, n, split=False):
         norm_term = norm_term + k * jax.lax.stop_gradient(jnp.sqrt(jnp.sum(pt * pt)))
     s = jnp.mod(a0 - offset, n)
     f = jnp.arange(n // 2 + 1, dtype=jnp.float64)
-    phase = 2.0 * math.pi * jnp.mod(f * s, n) / n
+    phase = 2.0 * math.pi * _mod_exact(f * s, n) / n
     spec = where(dead, 0.0 + 0.0j, jnp.exp(log_spec + 1j * phase))
     r_t = jnp.fft.irfft(spec, n)
     # The rounding margin carries no derivative (it is a bound on round-off). Its leading

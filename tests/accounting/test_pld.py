@@ -626,3 +626,15 @@ def test_spectrum_log_within_the_round_off_constants():
         ref = mpmath.log(mpmath.mpc(ci.real, ci.imag))
         assert abs(float(ref.real - oi.real)) <= 2 * u * (1 + abs(float(ref.real))), (ci, oi, ref)
         assert abs(float(ref.imag - oi.imag)) <= 2 * math.pi * u, (ci, oi, ref)
+
+
+def test_spectrum_phase_mod_is_exact():
+    """The phase's (f·s) mod n, formed without libm's fmod, against integer arithmetic."""
+    from jaxdp.accounting._pld_curves import _mod_exact
+
+    for n in (64, 96, 2**14, 3 * 2**13, 2**20, 3 * 2**22, 2**24):
+        f = np.arange(n // 2 + 1, dtype=np.float64)
+        for s in (0, 1, n - 1, n // 2 + 1, 12345 % n, (n * 7) // 11):
+            with jax.enable_x64(True):
+                ours = np.asarray(jax.jit(lambda x: _mod_exact(x, n))(f * s))
+            assert np.array_equal(ours, np.mod(f.astype(np.int64) * s, n).astype(np.float64)), (n, s)
