@@ -570,14 +570,9 @@ def compose(kinds, params, counts, n, tau, estimate, query, what, stages=1, read
             mass = jnp.maximum(r_t, 0.0) + m_bin
             probs = jnp.exp(jnp.minimum(jnp.log(mass) + log_scale, 0.0))
             # Only the window's bins i < n count: each geometric sum stops at k < K = n - j,
-            # Σ_{k<K} (xe^{-ch})^k = (1 - (xe^{-ch})^K)/(1 - xe^{-ch}). G is evaluated once per
-            # block of b = gcd(256, n) bins, at the block's largest K (its first bin): G² is a sum
-            # of nonnegative terms over k < K, so that is an upper bound for every bin of the
-            # block (b times fewer expm1 and divisions; it differs from the bin's own G only where
-            # x^K is not negligible, i.e. within ~1/(λh) bins of the window's top).
+            # Σ_{k<K} (xe^{-ch})^k = (1 - (xe^{-ch})^K)/(1 - xe^{-ch}).
             lam_h = jnp.maximum(lam, 0.0) * h
-            blk = math.gcd(_BLOCK, n)
-            big_k = n - blk * jnp.arange(n // blk, dtype=jnp.float64)
+            big_k = n - j
 
             # The numerators 1 - (xe^{-ch})^K, c = 0, 1, 2, from two expm1 per bin: with
             # E_x = expm1(-2λhK) and E_h = expm1(-hK) (both in [-1, 0]), 1 - x^K = -E_x,
@@ -595,7 +590,6 @@ def compose(kinds, params, counts, n, tau, estimate, query, what, stages=1, read
             g0 = geo(0)  # the weights at most 1
             g_w = g0 - 2.0 * jnp.exp(-h) * geo(1) + jnp.exp(-2.0 * h) * geo(2) + 80.0 * _U * g0
             log_geo = 0.5 * jnp.log(jnp.minimum(g0 * (1.0 + 8.0 * _U), jnp.maximum(g_w, 0.0)))
-            log_geo = jnp.broadcast_to(log_geo[:, None], (n // blk, blk)).reshape(n)
             l2 = jnp.exp(jnp.minimum(jnp.log(m_two) + log_scale + log_geo, 0.0)) * (1.0 + 1e-6)
             # Bins whose mass underflows lose at most n times the smallest normal.
             extra = p_inf_tot + t_up + n * _TINY
