@@ -63,8 +63,9 @@ def _sgm_y(eps, q, sign):
     """y = log((e^{±ε} - 1 + q)/q) where defined (double-where outside), and the mask.
 
     ``sign`` is +1 (remove: e^ε) or -1 (add: e^{-ε}), a number or a traced ±1.0. One ``log``
-    of the ratio (two roundings, |error| ≤ ~2u + u|y|; log(e^{±ε} - 1 + q) - log q was
-    u(|log(e^{±ε} - 1 + q)| + |log q|), and a float64 ``log`` is a large per-bin cost).
+    of the ratio: the sum and the quotient round once each, so y's absolute error is that
+    of e^{±ε} - 1 + q relative to itself plus ~2u (log(e^{±ε} - 1 + q) - log q added
+    u(|log(e^{±ε} - 1 + q)| + |log q|)); a float64 ``log`` is a large per-bin cost.
     """
     lq = jnp.log1p(-q)  # -inf at q = 1
     inside = sign * eps > lq  # (for sign -1: ε < -log(1-q))
