@@ -42,8 +42,10 @@ def _delta_gauss(eps, mu):
     :math:`x_2 ≤ 0 < x_1`, :math:`-\mathrm{expm1}(ε) + \tfrac12(V_2 - V_1)` for :math:`x_2 > 0`,
     where :math:`V_1 = w_1 n_1/d_1 = 2Φ(-|x_1|)` and :math:`V_2 = 2e^εΦ(-|x_2|)`, i.e.
     :math:`w_2 = e^ε` on x₂'s ``mid`` branch (there ε ≤ 1), else :math:`e^{-x_1^2/2}`. One
-    division, one ``exp``, one ``expm1`` (docs/pld.md, "Cost per bin"; max(·, 0) absorbs the
-    rounding where V₁ ≈ V₂).
+    division, one ``exp``, one ``expm1``; max(·, 0) absorbs the rounding where V₁ ≈ V₂.
+    Against mpmath its relative error is ≤ 1e-11 wherever δ is a normal float (μ from 1e-3
+    to 100, x₁ in [-40, 40]; e^a(1 - e^{b-a}) from two log Φ: 1e-8 in the lower tail), with
+    nothing underflowing before δ does (docs/pld.md, "Cost per bin").
     """
     x1 = -eps / mu + mu / 2.0
     x2 = -eps / mu - mu / 2.0
