@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._numerics import log_ndtr, where
+from .._numerics import erfc_parts, log_ndtr, where
 
 _U = float(np.finfo(np.float64).eps)
 
@@ -34,21 +34,45 @@ _U = float(np.finfo(np.float64).eps)
 
 
 def _delta_gauss(eps, mu):
-    """δ of N(μ,1) vs N(0,1): Φ(-ε/μ + μ/2) - e^ε Φ(-ε/μ - μ/2), as e^a(1 - e^{b-a})."""
-    a = log_ndtr(-eps / mu + mu / 2.0)
-    b = eps + log_ndtr(-eps / mu - mu / 2.0)
-    return jnp.exp(a) * -jnp.expm1(jnp.minimum(b - a, 0.0))
+    r"""δ of N(μ,1) vs N(0,1): Φ(x₁) - e^ε Φ(x₂), x₁ = -ε/μ + μ/2, x₂ = x₁ - μ, with no ``log``.
+
+    With :math:`Φ(-|x|) = \tfrac12 w\,n/d` from :func:`erfc_parts` (w = 1 on its ``mid``
+    branch, else :math:`e^{-x^2/2}`) and :math:`e^ε e^{-x_2^2/2} = e^{-x_1^2/2}`:
+    :math:`δ = \tfrac12(V_1 - V_2)` for :math:`x_1 ≤ 0`, :math:`1 - \tfrac12(V_1 + V_2)` for
+    :math:`x_2 ≤ 0 < x_1`, :math:`-\mathrm{expm1}(ε) + \tfrac12(V_2 - V_1)` for :math:`x_2 > 0`,
+    where :math:`V_1 = w_1 n_1/d_1 = 2Φ(-|x_1|)` and :math:`V_2 = 2e^εΦ(-|x_2|)`, i.e.
+    :math:`w_2 = e^ε` on x₂'s ``mid`` branch (there ε ≤ 1), else :math:`e^{-x_1^2/2}`. One
+    division, one ``exp``, one ``expm1``; max(·, 0) absorbs the rounding where V₁ ≈ V₂.
+    Against mpmath its relative error is ≤ 1e-11 wherever δ is a normal float (μ from 1e-3
+    to 100, x₁ in [-40, 40]; e^a(1 - e^{b-a}) from two log Φ: 1e-8 in the lower tail), with
+    nothing underflowing before δ does (docs/pld.md, "Cost per bin").
+    """
+    x1 = -eps / mu + mu / 2.0
+    x2 = -eps / mu - mu / 2.0
+    n1, d1, mid1 = erfc_parts(x1)
+    n2, d2, mid2 = erfc_parts(x2)
+    tail = jnp.exp(-0.5 * x1 * x1)
+    em = jnp.expm1(jnp.minimum(eps, 2.0))
+    pos1, pos2 = x1 > 0.0, x2 > 0.0
+    a1 = where(mid1, 1.0, tail) * n1 * d2
+    a2 = where(mid2, 1.0 + em, tail) * n2 * d1
+    mixed = (where(pos1, -a1, a1) - where(pos2, -a2, a2)) / (d1 * d2)
+    base = where(pos2, -em, where(pos1, 1.0, 0.0))
+    return jnp.maximum(base + 0.5 * mixed, 0.0)
 
 
 def _sgm_y(eps, q, sign):
     """y = log((e^{±ε} - 1 + q)/q) where defined (double-where outside), and the mask.
 
-    ``sign`` is +1 (remove: e^ε) or -1 (add: e^{-ε}), a number or a traced ±1.0.
+    ``sign`` is +1 (remove: e^ε) or -1 (add: e^{-ε}), a number or a traced ±1.0. One ``log``
+    of the ratio: the sum and the quotient round once each, so y's absolute error is that
+    of e^{±ε} - 1 + q relative to itself plus ~2u (log(e^{±ε} - 1 + q) - log q added
+    u(|log(e^{±ε} - 1 + q)| + |log q|)); a float64 ``log`` is a large per-bin cost.
     """
     lq = jnp.log1p(-q)  # -inf at q = 1
     inside = sign * eps > lq  # (for sign -1: ε < -log(1-q))
     e_s = where(inside, eps, where(sign > 0, 1.0, -1.0) + where(jnp.isfinite(lq), sign * lq, 0.0))
-    y = jnp.log(jnp.expm1(sign * e_s) + q) - jnp.log(q)
+    y = jnp.log((jnp.expm1(sign * e_s) + q) / q)
     return y, inside
 
 
