@@ -63,8 +63,9 @@ class Composed(NamedTuple):
     losses: jax.Array  # (n,) the bin losses
     extra: jax.Array  # mass counted as +∞ (upper: ∞-mass + tail) or subtracted (lower)
     fold: object = None  # lower bound: ε ↦ bound on the mass folded down onto losses > ε
-    # upper bound: per bin j, m₂·e^{Λ-λℓ_j}·G ≥ m₂‖(w_i e^{Λ-λℓ_i})_{i≥j}‖₂ (the normwise
-    # round-off read out by Cauchy–Schwarz, docs/pld.md "Round-off"), added to δ at ε ∈ [ε_{j-1}, ε_j)
+    # upper bound: bin indices j ↦ m₂·e^{Λ-λℓ_j}·G ≥ m₂‖(w_i e^{Λ-λℓ_i})_{i≥j}‖₂ (the normwise
+    # round-off read out by Cauchy–Schwarz, docs/pld.md "Round-off"), added to δ at ε ∈ (ε_{j-1}, ε_j];
+    # nonincreasing in j
     l2: object = None
 
 
@@ -570,27 +571,34 @@ def compose(kinds, params, counts, n, tau, estimate, query, what, stages=1, read
             mass = jnp.maximum(r_t, 0.0) + m_bin
             probs = jnp.exp(jnp.minimum(jnp.log(mass) + log_scale, 0.0))
             # Only the window's bins i < n count: each geometric sum stops at k < K = n - j,
-            # Σ_{k<K} (xe^{-ch})^k = (1 - (xe^{-ch})^K)/(1 - xe^{-ch}).
+            # Σ_{k<K} (xe^{-ch})^k = (1 - (xe^{-ch})^K)/(1 - xe^{-ch}). The term falls with j (λ > 0
+            # and G rises with K), so the read-outs evaluate it only where they need it: at the
+            # first bin above a δ(ε) query, and at the block starts and one block's bins of the
+            # ε(δ) read-out (_first_below_blocked), not at all n bins.
             lam_h = jnp.maximum(lam, 0.0) * h
-            big_k = n - j
 
-            # The numerators 1 - (xe^{-ch})^K, c = 0, 1, 2, from two expm1 per bin: with
-            # E_x = expm1(-2λhK) and E_h = expm1(-hK) (both in [-1, 0]), 1 - x^K = -E_x,
-            # 1 - (xe^{-h})^K = -(E_x + E_h(1 + E_x)), 1 - (xe^{-2h})^K = -(E_x + E_h(2 + E_h)(1 + E_x)):
-            # sums of terms of one sign (relative error ≤ 9u and 12u; each geo ≤ 7u, 13u, 16u
-            # with its denominator: the difference below is off by ≤ 65u·g0, hence 80u·g0).
-            e_x = jnp.expm1(-(2.0 * lam_h) * big_k)
-            e_h = jnp.expm1(-h * big_k)
-            nums = (-e_x, -(e_x + e_h * (1.0 + e_x)), -(e_x + e_h * (2.0 + e_h) * (1.0 + e_x)))
+            def l2(jj):
+                """m₂ e^{Λ-λℓ_j} G at the (float) bin indices jj (0 at j = n)."""
+                big_k = n - jj
+                # The numerators 1 - (xe^{-ch})^K, c = 0, 1, 2, from two expm1 per bin: with
+                # E_x = expm1(-2λhK) and E_h = expm1(-hK) (both in [-1, 0]), 1 - x^K = -E_x,
+                # 1 - (xe^{-h})^K = -(E_x + E_h(1 + E_x)), 1 - (xe^{-2h})^K = -(E_x + E_h(2 + E_h)(1 + E_x)):
+                # sums of terms of one sign (relative error ≤ 9u and 12u; each geo ≤ 7u, 13u, 16u
+                # with its denominator: the difference below is off by ≤ 65u·g0, hence 80u·g0).
+                e_x = jnp.expm1(-(2.0 * lam_h) * big_k)
+                e_h = jnp.expm1(-h * big_k)
+                nums = (-e_x, -(e_x + e_h * (1.0 + e_x)), -(e_x + e_h * (2.0 + e_h) * (1.0 + e_x)))
 
-            def geo(c):
-                den = -jnp.expm1(-(2.0 * lam_h + c * h))
-                return where(den > 0, nums[c] / where(den > 0, den, 1.0), big_k)
+                def geo(c):
+                    den = -jnp.expm1(-(2.0 * lam_h + c * h))
+                    return where(den > 0, nums[c] / where(den > 0, den, 1.0), big_k)
 
-            g0 = geo(0)  # the weights at most 1
-            g_w = g0 - 2.0 * jnp.exp(-h) * geo(1) + jnp.exp(-2.0 * h) * geo(2) + 80.0 * _U * g0
-            log_geo = 0.5 * jnp.log(jnp.minimum(g0 * (1.0 + 8.0 * _U), jnp.maximum(g_w, 0.0)))
-            l2 = jnp.exp(jnp.minimum(jnp.log(m_two) + log_scale + log_geo, 0.0)) * (1.0 + 1e-6)
+                g0 = geo(0)  # the weights at most 1
+                g_w = g0 - 2.0 * jnp.exp(-h) * geo(1) + jnp.exp(-2.0 * h) * geo(2) + 80.0 * _U * g0
+                log_geo = 0.5 * jnp.log(jnp.minimum(g0 * (1.0 + 8.0 * _U), jnp.maximum(g_w, 0.0)))
+                log_scale_j = big_lam - lam * ((a0 + jj) * h)
+                return jnp.exp(jnp.minimum(jnp.log(m_two) + log_scale_j + log_geo, 0.0)) * (1.0 + 1e-6)
+
             # Bins whose mass underflows lose at most n times the smallest normal.
             extra = p_inf_tot + t_up + n * _TINY
             fold = None
@@ -638,7 +646,8 @@ def delta_read(c: Composed, eps, estimate):
     w = where(c.losses > eps, w, 0.0)
     d = jnp.sum(c.probs * w) + c.extra
     if c.l2 is not None:  # the normwise round-off from the first bin above ε (0 if none)
-        d = d + jnp.max(where(c.losses > eps, c.l2, 0.0))
+        first = jnp.sum(c.losses <= eps).astype(jnp.float64)  # l2 falls with j: its largest there
+        d = d + where(first < c.losses.shape[0], c.l2(first), 0.0)
     if c.fold is not None:
         d = d - c.fold(eps)
     if estimate == "upper":  # below the window's bottom (never planned so) nothing is certified
@@ -705,16 +714,14 @@ def _first_below(r, e, h, x, target):
     return first, picked[0], picked[1], picked[2], (picked[3] if jnp.ndim(x) else x)
 
 
-def _first_below_blocked(r, e, h, x, target):
+def _first_below_blocked(r, e, h, x_at, target):
     """:func:`_first_below` for the upper bound's curve, in two levels.
 
-    The upper curve is X_j + S_j - D_j with S_j - D_j = Σ_{i>j} r_i(1 - e^{-(i-j)h}) nonincreasing
-    in j, so max_{j in block} X_j + (S - D) at the block's first bin is above every bin of a block
-    (of b = gcd(256, n) bins): no bin after the last block where that exceeds the target does.
-    The curve is evaluated at the n/b block starts (block sums and a short scan), then at the b
-    bins of that block only; if none of them is above the target (possible only where X rises
-    within the block), the answer is taken from the block's first bin, which is larger: the safe
-    side. The same sums as :func:`_tail_sums` (in another order: last bits), without its
+    The upper curve X_j + S_j - D_j is nonincreasing in j (S_j - D_j = Σ_{i>j} r_i(1 - e^{-(i-j)h}),
+    and X_j = extra + l2_j, ``x_at`` at float bin indices), so the last bin above the target lies
+    in the last block (of b = gcd(256, n) bins) whose first bin is above it: the curve is
+    evaluated at the n/b block starts (block sums and a short scan), then at the b bins of that
+    block only. The same sums as :func:`_tail_sums` (in another order: last bits), without its
     per-bin passes.
     """
     n = r.shape[0]
@@ -735,11 +742,9 @@ def _first_below_blocked(r, e, h, x, target):
     zero = jnp.zeros((), dtype=r.dtype)
     _, (s_from, d_from) = jax.lax.scan(step, (zero, zero), (jnp.sum(rb, axis=1), jnp.sum(rb * decay_k, axis=1)),
                                        reverse=True)
-    x_all = jnp.broadcast_to(x, (n,))
     r0 = rb[:, 0]
-    # Above every bin of block b: the largest X in it plus S - D at its first bin (S_j - D_j falls
-    # with j; X_j falls too when λ ≥ 0, and is taken at its largest otherwise).
-    d_blk = jnp.max(x_all.reshape(nb, m), axis=1) + (s_from - r0) - (d_from - r0)
+    # Above every bin of block b: the curve at its first bin (S_j - D_j and X_j fall with j).
+    d_blk = x_at(m * jnp.arange(nb, dtype=jnp.float64)) + (s_from - r0) - (d_from - r0)
     b_star = jnp.max(where(d_blk > target, jnp.arange(nb, dtype=jnp.float64), -1.0))
     b0 = jnp.maximum(b_star, 0.0)
     start = (b0 * m).astype(jnp.int32)
@@ -750,7 +755,7 @@ def _first_below_blocked(r, e, h, x, target):
     after_s = jnp.sum(where(pick_b, s_ext, 0.0))  # Σ_{i≥j0'} r_i
     after_d = jnp.sum(where(pick_b, d_ext, 0.0))  # Σ_{i≥j0'} r_i e^{-(i-j0')h}
     seg = jax.lax.dynamic_slice(jnp.concatenate([r, jnp.zeros((1,), dtype=r.dtype)]), (start,), (m + 1,))
-    x_seg = jax.lax.dynamic_slice(jnp.concatenate([x_all, x_all[-1:]]), (start,), (m + 1,))
+    x_seg = x_at(start.astype(jnp.float64) + jnp.arange(m + 1, dtype=jnp.float64))
     e_seg = jax.lax.dynamic_slice(jnp.concatenate([e, e[-1:] + h]), (start,), (m + 1,))
     blk = seg[:m]
     down = jnp.exp(-jnp.minimum((k + 1.0) * h, 700.0))
@@ -787,12 +792,11 @@ def epsilon_read(c: Composed, target, estimate="upper"):
     h = e[1] - e[0]
     # The constant part of the curve on (ε_{j-1}, ε_j] (the lower bound's fold-down bound is
     # taken at ε_{j-1}, its largest value there).
-    x = c.extra if c.fold is None else c.extra - c.fold(e - h)
-    if c.l2 is not None:  # on (ε_{j-1}, ε_j] the normwise round-off over the bins i ≥ j
-        x = x + c.l2
-    if estimate == "upper":
-        first, s_star, dd_star, e_star, x_star = _first_below_blocked(r, e, h, x, target)
+    if estimate == "upper":  # on (ε_{j-1}, ε_j] the normwise round-off over the bins i ≥ j too
+        l2 = c.l2 if c.l2 is not None else jnp.zeros_like
+        first, s_star, dd_star, e_star, x_star = _first_below_blocked(r, e, h, lambda jj: c.extra + l2(jj), target)
     else:
+        x = c.extra if c.fold is None else c.extra - c.fold(e - h)
         first, s_star, dd_star, e_star, x_star = _first_below(r, e, h, x, target)
     any_ok = first < n
     num = x_star + s_star - target
