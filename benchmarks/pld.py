@@ -72,7 +72,7 @@ def _table(delta) -> None:
     ours = (time.perf_counter() - t0) / len(TABLE)
     two = np.asarray(f2(q, s, t))
     print(f"five-configuration table, delta={delta:g}: jaxdp bracket (upper + lower) {ours * 1e3:.1f} ms/config")
-    print("| (q, σ, steps) | jaxdp upper (2^14) | dp_accounting 1e-5 | rel. | jaxdp upper, stages=2 | rel. | "
+    print("| (q, σ, steps) | jaxdp upper (default grid) | dp_accounting 1e-5 | rel. | jaxdp upper, stages=2 | rel. | "
           "dp_accounting 1e-4 | rel. | jaxdp lower | lower/upper | dp_accounting 1e-4 time |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for i, (qi, si, ti) in enumerate(TABLE):

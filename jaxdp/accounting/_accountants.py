@@ -459,7 +459,7 @@ def epsilon(event: Event, delta, *, orders=DEFAULT_ORDERS, accountant: str = "rd
       accountant: a registered accountant name (static): ``"rdp"`` (default), ``"pld"``,
         or one added by :func:`register_accountant`.
       grid_size: ``"pld"`` only: static number of loss bins, a power of two or three times one (default
-        :data:`PLD_GRID_SIZE` = 2^14); the upper bound's error shrinks like 1/n², time
+        :data:`PLD_GRID_SIZE` = 3·2^13 = 24576); the upper bound's error shrinks like 1/n², time
         grows like n log n.
       tail_bound: ``"pld"`` only: static cap on the mass the plan leaves outside the grid
         (default :data:`PLD_TAIL_BOUND` = 1e-6, used as min(tail_bound, 1e-4·δ)); the

@@ -124,11 +124,11 @@ def test_dpsgd_against_dp_accounting_small_grid():
 # Issue 27's five DP-SGD configurations (benchmarks/pld.py's table), δ = 1e-5, and
 # dp_accounting 0.6.0's pessimistic PLD at value step 1e-5 (minutes to compute, so stored;
 # its own error there is about 1e-5 relative). The default upper bound's distance to it, as
-# docs/pld.md reports: within 2e-4 on rows 1-4 (row 2 +1.7e-4 since s19); +3.6e-4 on row 5 (a
-# guard against regressions, not the issue's target).
+# docs/pld.md reports: within 2e-4 on all five rows at the default 24,576 bins (since s21:
+# +7.4e-5, +9.8e-5, +7.4e-6, +6.3e-5, +1.6e-4; at 2^14 row 5 was +3.6e-4).
 ISSUE27_ROWS = [(256 / 60000, 1.1, 14063, 2.381691, 2e-4), (0.001, 0.8, 1000, 0.303554, 2e-4),
                 (0.1, 2.0, 100, 2.337400, 2e-4), (0.01, 1.0, 10000, 6.187713, 2e-4),
-                (0.001, 1.0, 10000, 0.475764, 4e-4)]
+                (0.001, 1.0, 10000, 0.475764, 2e-4)]
 
 
 @pytest.mark.slow
@@ -149,7 +149,7 @@ def test_default_upper_bound_against_dp_accounting_on_issue27_rows():
 # is below the true ε by up to steps × the value step on long runs. jaxdp's value must never
 # fall below it (its values in the comment: s13 plan, and s12's before it).
 QUOTED_FLOORS = [
-    (256 / 60000, 1.1, 14040, 1e-5, 2.372534),  # README: 2.3799 (2.3807)
+    (256 / 60000, 1.1, 14040, 1e-5, 2.372534),  # README: 2.3797 (2^14: 2.3799; s12 2.3807)
     (256 / 60000, 1.1, 14063, 1e-5, 2.374658),  # reference.md, pld.md: 2.38207 (2.38288)
     (0.001, 0.8, 1000, 1e-5, 0.298553),  # pld.md row 2: 0.303605 (s18 0.303646; s12 0.303682)
     (0.1, 2.0, 100, 1e-5, 2.336899),  # pld.md row 3: 2.337419 (2.337425)
@@ -311,15 +311,15 @@ def test_docstrings_state_the_defaults():
     from jaxdp.accounting import _accountants, _pld
 
     sig = inspect.signature(_pld.pld_epsilon).parameters
-    assert sig["grid_size"].default == A.PLD_GRID_SIZE == 2**14
+    assert sig["grid_size"].default == A.PLD_GRID_SIZE == 3 * 2**13
     assert sig["tail_bound"].default == A.PLD_TAIL_BOUND == 1e-6
     assert sig["fallback"].default == "rdp"
     doc = " ".join(_pld.pld_epsilon.__doc__.split())
-    assert "default 2^14 = 16384" in doc and "(default 1e-6;" in doc and '``"rdp"`` (default)' in doc
+    assert "default 3·2^13 = 24576" in doc and "(default 1e-6;" in doc and '``"rdp"`` (default)' in doc
     mod = " ".join(_pld.__doc__.split())
-    assert "2^14 = 16384 bins" in mod and "= 1e-6" in mod
+    assert "3·2^13 = 24576 bins" in mod and "= 1e-6" in mod
     door = " ".join(_accountants.epsilon.__doc__.split())
-    assert "2^14" in door and "1e-6" in door
+    assert "3·2^13 = 24576" in door and "1e-6" in door
 
 
 # Small δ (issue 27): finite and certified where the grid used to refuse. References: the RDP
@@ -372,7 +372,7 @@ def _grid_sizes_check(sizes):
 
 
 def test_gaussian_never_below_closed_form_across_grid_sizes():
-    # 2^14 and 3·2^13; the slow every-grid-size test runs 2^10..2^20 (2^20 left CI in s17) and 3·2^9..3·2^16.
+    # 2^14 and 3·2^13 (the default); the slow every-grid-size test runs 2^10..2^20 (2^20 left CI in s17) and 3·2^9..3·2^16.
     _grid_sizes_check([2**14, 3 * 2**13])
 
 
