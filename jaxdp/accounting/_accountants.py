@@ -472,7 +472,7 @@ def epsilon(event: Event, delta, *, orders=DEFAULT_ORDERS, accountant: str = "rd
         eagerly a ``ValueError``).
       stages: ``"pld"`` only, upper bound: 1 (default, :data:`PLD_STAGES`) or 2 (the
         two-stage composition: blocks of steps on a finer grid first; also certified,
-        tighter on long compositions, about twice the time; see :func:`pld_epsilon`).
+        often tighter on long compositions, about twice the time; see :func:`pld_epsilon`).
 
     Returns:
       float64 ε ≥ 0 of the broadcast batch shape. Unsupported event types or relations

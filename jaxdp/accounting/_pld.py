@@ -53,7 +53,7 @@ kinds privacy buckets rounded down (Meiser & Mohammadi 2018).
 Defaults: ``grid_size`` :data:`PLD_GRID_SIZE` = 3·2^13 = 24576 bins, ``tail_bound``
 :data:`PLD_TAIL_BOUND` = 1e-6 (the plan leaves min(tail_bound, 1e-4·δ) outside the grid),
 ``stages`` :data:`PLD_STAGES` = 1 (``stages=2``: the two-stage composition of
-``_pld_stages.py``, certified the same way, tighter on long compositions, at about twice
+``_pld_stages.py``, certified the same way, often tighter on long compositions, at about twice
 the time).
 
 Differentiable (``jax.grad``) in the noise multipliers and q (the plan is held fixed);
@@ -392,7 +392,7 @@ def pld_epsilon(event, delta, *, grid_size: int = PLD_GRID_SIZE, tail_bound: flo
       stages: static, for ``"upper"``: 1 (default, :data:`PLD_STAGES`: one tilted FFT of
         ``grid_size`` bins) or 2 (blocks of ⌊k/m⌋ steps composed on a finer grid first,
         then the blocks, ``_pld_stages.py``): also certified; its error is about
-        Σ_c (k_c h₁² + m h₂²) instead of Σ_c k_c h², tighter on long compositions, at about
+        Σ_c (k_c h₁² + m h₂²) instead of Σ_c k_c h², often tighter on long compositions, at about
         twice the time. The lower bound is single-stage.
 
     Returns:
