@@ -82,7 +82,6 @@ import contextlib
 import functools
 import gc
 import math
-import warnings
 from typing import NamedTuple
 
 import jax
